@@ -1,0 +1,52 @@
+"""HLO protos (``--xla_dump_hlo_as_proto``) through XLA's own HLO-to-StableHLO converter."""
+
+from __future__ import annotations
+
+from graphguard_hlo import ir
+from graphguard_hlo.errors import InputError
+from graphguard_hlo.loaders.stablehlo import load_stablehlo
+
+
+def looks_like_proto(data: bytes) -> bool:
+  # HloProto and HloModuleProto both start with a length-delimited field 1.
+  return len(data) > 2 and data[0] == 0x0A
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+  value = shift = 0
+  while i < len(data):
+    byte = data[i]
+    value |= (byte & 0x7F) << shift
+    shift += 7
+    i += 1
+    if byte < 0x80:
+      return value, i
+  raise ValueError("truncated varint")
+
+
+def unwrap_hlo_proto(data: bytes) -> bytes:
+  """The HloModuleProto inside an HloProto dump, or ``data`` if it is one already.
+
+  XLA's ``*.hlo.pb`` dumps are ``HloProto {hlo_module = 1; buffer_assignment = 3}``;
+  an ``HloModuleProto`` starts with its string ``name = 1``.  Field 1 of an
+  HloProto is itself a message starting with ``0x0A``, a name never does.
+  """
+  if not looks_like_proto(data):
+    return data
+  length, start = _read_varint(data, 1)
+  inner = data[start:start + length]
+  if start + length <= len(data) and inner[:1] == b"\x0a":
+    return inner
+  return data
+
+
+def load_hlo_proto(path: str, data: bytes) -> ir.Module:
+  from jax._src.lib import xla_client
+  try:
+    module_proto = unwrap_hlo_proto(data)
+    bytecode = xla_client._xla.mlir.hlo_to_stablehlo(module_proto)
+  except Exception as e:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise InputError(path, f"not a valid HLO proto: {first}") from None
+  module = load_stablehlo(path, bytecode, "hlo_proto")
+  return module
