@@ -1,0 +1,53 @@
+"""Lower JAX functions to the modules graphguard-hlo verifies.
+
+The sequential function is lowered to StableHLO with source locations.  The
+distributed one is lowered as written: a ``shard_map`` gives StableHLO whose
+``sdy.manual_computation`` body is already the per-device program; a
+``jax.jit`` with shardings is partitioned by XLA (``xla_partition``).
+Abstract arguments (``jax.ShapeDtypeStruct``) are enough: nothing is run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from graphguard_hlo import ir
+from graphguard_hlo.loaders.stablehlo import load_stablehlo
+from graphguard_hlo.passes.dist_program import is_manual
+from graphguard_hlo.xla_partition import partition_lowered
+
+
+def _abstract(args: Sequence[Any], keep_sharding: bool):
+  import jax
+  out = []
+  for a in args:
+    sharding = getattr(a, "sharding", None) if keep_sharding else None
+    if sharding is not None and not hasattr(sharding, "mesh"):
+      sharding = None
+    out.append(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding))
+  return out
+
+
+def sequential_text(fn: Callable, *args) -> str:
+  import jax
+  return jax.jit(fn).lower(*_abstract(args, False)).as_text(debug_info=True)
+
+
+def lower_sequential(fn: Callable, *args, name: str = "<sequential>") -> ir.Module:
+  return load_stablehlo(name, sequential_text(fn, *args))
+
+
+def lower_distributed(fn: Callable, *args, in_shardings=None, out_shardings=None,
+                      name: str = "<distributed>") -> ir.Module:
+  """The per-device program of ``fn`` on sharded abstract ``args``."""
+  import jax
+  kw = {}
+  if in_shardings is not None:
+    kw["in_shardings"] = in_shardings
+  if out_shardings is not None:
+    kw["out_shardings"] = out_shardings
+  lowered = jax.jit(fn, **kw).lower(*_abstract(args, True))
+  module = load_stablehlo(name, lowered.as_text(debug_info=True))
+  if is_manual(module):
+    return module
+  return partition_lowered(lowered, name)

@@ -1,0 +1,26 @@
+"""The whole job on loaded modules: canonicalize DIST, then infer relations."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes.dist_program import canonicalize_dist, needs_partitioning
+from graphguard_hlo.passes.inference import Result, verify_programs
+from graphguard_hlo.passes.layout import Layout
+
+
+def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Optional[str] = None):
+  if needs_partitioning(dist):
+    from graphguard_hlo.xla_partition import partition_stablehlo_text
+    if text is None:
+      with open(dist.path) as f:
+        text = f.read()
+    dist = partition_stablehlo_text(dist.path, text, num_partitions or dist.num_partitions)
+  return canonicalize_dist(dist, num_partitions)
+
+
+def verify_modules(seq: ir.Module, dist: ir.Module, input_layouts: Optional[list[Layout]] = None,
+                   num_partitions: Optional[int] = None) -> Result:
+  program = prepare_dist(dist, num_partitions)
+  return verify_programs(seq, program, input_layouts)

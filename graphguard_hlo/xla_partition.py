@@ -1,0 +1,79 @@
+"""Run XLA's own SPMD partitioner and keep the per-device program it makes.
+
+GSPMD/Shardy programs (``jax.jit`` with shardings) carry only annotations;
+their collectives appear when XLA partitions them.  We compile with the dump
+flags for the ``spmd-partitioning`` pass and read back the module right after
+it, as an HLO proto, before any fusion: the program every device runs.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+
+from graphguard_hlo import ir
+from graphguard_hlo.errors import InputError
+from graphguard_hlo.loaders.hlo_proto import load_hlo_proto
+
+DUMP_OPTIONS = {"xla_dump_hlo_pass_re": "spmd-partitioning", "xla_dump_hlo_as_proto": True,
+                "xla_dump_hlo_as_text": False}
+
+
+def partitioned_from_dump(dump_dir: str, path_hint: str) -> ir.Module:
+  found = sorted(glob.glob(os.path.join(dump_dir, "*after_spmd-partitioning*.pb")))
+  if not found:
+    raise InputError(path_hint, "XLA produced no partitioned module (is it sharded?)")
+  # The last partitioning pass of the main module is the one we want.
+  with open(found[-1], "rb") as f:
+    return load_hlo_proto(path_hint, f.read())
+
+
+def partition_lowered(lowered, path_hint: str = "<jax>") -> ir.Module:
+  """Compile a ``jax.stages.Lowered`` and return XLA's per-device module."""
+  with tempfile.TemporaryDirectory(prefix="gg-hlo-") as tmp:
+    lowered.compile(compiler_options=dict(DUMP_OPTIONS, xla_dump_to=tmp))
+    return partitioned_from_dump(tmp, path_hint)
+
+
+def ensure_cpu_devices(n: int) -> None:
+  """Ask for ``n`` fake CPU devices, if the backend is not up yet."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def partition_stablehlo_text(path: str, text: str, num_partitions: int) -> ir.Module:
+  """Partition a sharded StableHLO module file with XLA on CPU devices."""
+  ensure_cpu_devices(max(num_partitions, 8))
+  import jax
+  from jax._src import compiler
+  from jax._src.interpreters import mlir as jax_mlir
+  from jaxlib.mlir import ir as mlir_ir
+  devices = jax.devices("cpu")
+  if len(devices) < num_partitions:
+    raise InputError(path, f"needs {num_partitions} devices to partition; this process has "
+                     f"{len(devices)} (set XLA_FLAGS=--xla_force_host_platform_device_count="
+                     f"{num_partitions} before starting)")
+  backend = devices[0].client
+  with tempfile.TemporaryDirectory(prefix="gg-hlo-") as tmp:
+    with jax_mlir.make_ir_context():
+      module = mlir_ir.Module.parse(text)
+      options = compiler.get_compile_options(
+          num_replicas=1, num_partitions=num_partitions,
+          device_assignment=[[d] for d in devices[:num_partitions]],
+          use_spmd_partitioning=True, use_shardy_partitioner=True)
+      debug = options.executable_build_options.debug_options
+      debug.xla_dump_to = tmp
+      debug.xla_dump_hlo_pass_re = DUMP_OPTIONS["xla_dump_hlo_pass_re"]
+      debug.xla_dump_hlo_as_proto = True
+      try:
+        from jax._src import xla_bridge
+        backend.compile_and_load(
+            jax_mlir.module_to_bytecode(module),
+            xla_bridge.get_device_list(devices[:num_partitions]) if hasattr(
+                xla_bridge, "get_device_list") else devices[:num_partitions], options)
+      except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(path, f"XLA could not partition this module: {first}") from None
+    return partitioned_from_dump(tmp, path)

@@ -1,0 +1,146 @@
+"""Say in words why an op or an output got no relation.
+
+The patterns are the usual distributed bugs: a partial sum used before any
+all-reduce, a value scaled by the wrong count, a collective over the wrong
+axes, a shard gathered along the wrong dim, shards permuted between ranks.
+We look at the operands' relations and at what the per-device program does
+with the related values nearby.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes.collectives import COLLECTIVES
+from graphguard_hlo.passes.layout import Layout, scales_equal
+
+
+def _axes(axes) -> str:
+  return ", ".join(f"'{a}'" for a in axes)
+
+
+def _scale_words(scale: float, mesh: ir.Mesh) -> str:
+  inv = 1.0 / scale
+  sizes = {n: s for n, s in mesh.axes if s > 1}
+  hint = ""
+  for name, n in sizes.items():
+    if scales_equal(scale, float(n)):
+      hint = f" (divided by {n} = |{name}| once too often: pmean where psum belongs?)"
+    elif scales_equal(inv, float(n)):
+      hint = f" (summed over {n} = |{name}| ranks without dividing: psum where pmean belongs?)"
+  return f"the distributed value is {inv:g} times the sequential one{hint}"
+
+
+def _collective_words(inf, cls: int, layout: Layout) -> Optional[str]:
+  """What the per-device program does to a related value that breaks the relation."""
+  for op in inf.users.get(cls, ()):
+    if op.name not in COLLECTIVES:
+      continue
+    axes = op.attrs.get("gg.axes")
+    name = op.name.replace("_", "-")
+    loc = op.location
+    if axes is None:
+      groups = op.attrs.get("replica_groups") or op.attrs.get("source_target_pairs")
+      return (f"{name} at {loc} uses replica groups {groups} that match no mesh axes "
+              f"of {dict(inf.mesh.axes)} (wrong replica groups)")
+    if op.name == "all_reduce" and layout.partial and set(axes) != set(layout.partial):
+      return (f"{name} at {loc} reduces over {_axes(axes)} but the partial sum is over "
+              f"{_axes(layout.partial)} (wrong replica groups / wrong axis)")
+    if op.name == "all_gather":
+      k = op.attrs.get("all_gather_dimension")
+      split = [d for d, a in enumerate(layout.dims) if set(axes) & set(a)]
+      if split and k not in split:
+        return (f"{name} at {loc} concatenates shards along dim {k}, but the value is "
+                f"split over {_axes(axes)} along dim {split[0]} (shard concatenated on the "
+                f"wrong dim)")
+    if op.name == "collective_permute" and set(axes or ()) & layout.split_axes():
+      pairs = op.attrs.get("source_target_pairs")
+      return (f"{name} at {loc} moves shards split over {_axes(axes)} to other ranks "
+              f"(pairs {list(pairs)}): shards are permuted between ranks")
+  return None
+
+
+def _operand_problems(inf, op: ir.Op) -> list[str]:
+  problems = []
+  for v in op.operands:
+    rels = inf.relations.get(v.id, [])
+    if not rels:
+      continue
+    if all(r.layout.partial for r in rels):
+      r = rels[0]
+      problems.append(f"operand %{v.id} is only known as a partial {r.layout.partial_kind} over "
+                      f"{_axes(r.layout.partial)} that is never reduced before this "
+                      f"{op.name} (missing all-reduce)")
+    elif all(not r.layout.is_clean() for r in rels):
+      problems.append(f"operand %{v.id}: {_scale_words(rels[0].layout.scale, inf.mesh)}")
+    for r in rels:
+      words = _collective_words(inf, r.cls, r.layout)
+      if words:
+        problems.append(words)
+  return problems
+
+
+def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
+  """A per-device op of the same kind that reads values related to our operands."""
+  related = {r.cls: r for v in op.operands for r in inf.relations.get(v.id, [])}
+  for cls, rel in related.items():
+    for d_op in inf.users.get(cls, ()):
+      if d_op.name != op.name:
+        continue
+      notes = []
+      for dv in d_op.operands:
+        c = inf.deg.of(dv)
+        if c in related:
+          lay = related[c].layout
+          if not lay.is_clean():
+            notes.append(f"%{dv.id} is {_scale_words(lay.scale, inf.mesh)}")
+          elif lay.partial:
+            notes.append(f"%{dv.id} is a partial sum over {_axes(lay.partial)}")
+        elif dv.producer is not None:
+          notes.append(f"%{dv.id} (from {dv.producer.name} at {dv.producer.location}) "
+                       "relates to no sequential value")
+      if notes:
+        return f"the per-device {op.name} at {d_op.location} reads " + "; ".join(notes)
+  return None
+
+
+def diagnose_op(inf, op: ir.Op):
+  from graphguard_hlo.passes.inference import Failure
+  inputs = [(f"%{v.id}: {v.type}", inf.describe(v)) for v in op.operands]
+  problems = _operand_problems(inf, op)
+  counterpart = _counterpart_words(inf, op)
+  if counterpart and not any(counterpart in p for p in problems):
+    problems.append(counterpart)
+  if not problems:
+    problems.append(f"no op of the per-device program computes this {op.name} from values "
+                    "related to its operands (no lemma gives a clean expression)")
+  return Failure(op.name, op.location, inputs, "; ".join(dict.fromkeys(problems)))
+
+
+def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[Layout]):
+  from graphguard_hlo.passes.inference import Failure
+  target = inf.deg.of(d)
+  rels = inf.relations.get(s.id, [])
+  mine = [r for r in rels if r.cls == target]
+  problems = []
+  for r in mine:
+    if not r.layout.is_clean():
+      problems.append(f"output {i}: {_scale_words(r.layout.scale, inf.mesh)}")
+    elif r.layout.partial:
+      problems.append(f"output {i} is a partial {r.layout.partial_kind} over "
+                      f"{_axes(r.layout.partial)} never reduced (missing all-reduce)")
+    elif declared is not None and r.layout != declared:
+      problems.append(f"output {i} is laid out as {r.layout.describe('out')} but the "
+                      f"distributed module declares {declared.describe('out')}")
+  if not mine:
+    for r in rels:
+      words = _collective_words(inf, r.cls, r.layout)
+      if words:
+        problems.append(words)
+    problems.append(f"the distributed output {i} (%{d.id}"
+                    + (f" from {d.producer.name} at {d.producer.location}" if d.producer else "")
+                    + ") is not related to the sequential output")
+  where = s.producer.location if s.producer else ir.UNKNOWN_LOCATION
+  inputs = [(f"output {i}: {s.type}", inf.describe(s))]
+  return Failure("output", where, inputs, "; ".join(dict.fromkeys(problems)), output_index=i)

@@ -1,0 +1,119 @@
+"""The per-device program as an e-graph, saturated with normalization rules.
+
+Every op of the per-device program becomes an e-node (``terms.op_head``), so
+"does the distributed program compute f(x, y)?" is one hash-cons lookup.  A
+few declarative rules make that lookup robust to spelling: copies and no-op
+reshapes are their operand, broadcasts of splats are splats, commutative ops
+match either operand order.  Constants are splats by value, so a lemma that
+proposes ``add(x, splat 1.0)`` finds XLA's ``add(x, broadcast(constant 1))``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes import terms
+from graphguard_hlo.passes.egraph import ClassId, EGraph, ENode, Rule, saturate
+
+
+def _same_type(eg: EGraph, b: dict, node: ENode) -> bool:
+  return node.head[2] == _class_type(eg, b["?x"])
+
+
+def _class_type(eg: EGraph, c: ClassId) -> Optional[ir.TensorType]:
+  for n in eg.nodes(c):
+    if isinstance(n.head, tuple) and len(n.head) >= 3 and isinstance(n.head[2], ir.TensorType):
+      return n.head[2]
+  return None
+
+
+def _swap(eg: EGraph, b: dict, node: ENode) -> ENode:
+  return ENode(node.head, (node.children[1], node.children[0]))
+
+
+def _splat_broadcast(eg: EGraph, b: dict, node: ENode) -> Optional[ENode]:
+  for n in eg.nodes(b["?x"]):
+    if n.op == "splat":
+      return ENode(terms.splat_head(n.head[1], node.head[2]))
+  return None
+
+
+NORMALIZATION_RULES = [
+    Rule("copy-is-identity", ("copy", "?x"), "?x"),
+    Rule("reshape-to-same-shape", ("reshape", "?x"), "?x", when=_same_type),
+    Rule("convert-to-same-type", ("convert", "?x"), "?x", when=_same_type),
+    Rule("broadcast-to-same-shape", ("broadcast_in_dim", "?x"), "?x", when=_same_type),
+    Rule("broadcast-of-splat", ("broadcast_in_dim", "?x"), _splat_broadcast),
+    Rule("reshape-of-splat", ("reshape", "?x"), _splat_broadcast),
+    Rule("convert-of-splat", ("convert", "?x"), _splat_broadcast),
+] + [Rule(f"{op}-commutes", (op, "?x", "?y"), _swap) for op in sorted(terms.COMMUTATIVE)]
+
+
+class DistEGraph:
+  """The saturated e-graph of a per-device program, with value <-> class maps."""
+
+  def __init__(self, graph: ir.Graph):
+    self.eg = EGraph()
+    self.class_of: dict[int, ClassId] = {}
+    self._values: dict[ClassId, list[ir.Value]] = {}
+    for i, p in enumerate(graph.params):
+      self._bind(p, self.eg.add(ENode(("param", i, p.type))))
+    for op in graph.ops:
+      self._add_op(op)
+    self.iterations = saturate(self.eg, NORMALIZATION_RULES)
+
+  def _bind(self, v: ir.Value, c: ClassId) -> None:
+    self.class_of[v.id] = c
+    self._values.setdefault(c, []).append(v)
+
+  def _add_op(self, op: ir.Op) -> None:
+    children = tuple(self.class_of[v.id] for v in op.operands if v.id in self.class_of)
+    if len(children) != len(op.operands):  # free values of a region: opaque
+      children = tuple(self.eg.add(ENode(("free", v.id))) if v.id not in self.class_of
+                       else self.class_of[v.id] for v in op.operands)
+    for k, r in enumerate(op.results):
+      splat = terms.splat_value(r) if op.name == "constant" else None
+      if splat is not None:
+        c = self.eg.add(ENode(terms.splat_head(splat, r.type)))
+      else:
+        head = terms.op_head(op.name, op.attrs, r.type, tuple(op.regions), k)
+        c = self.eg.add(ENode(head, children))
+      self._bind(r, c)
+
+  # -- queries -------------------------------------------------------------------
+  def find(self, c: ClassId) -> ClassId:
+    return self.eg.find(c)
+
+  def of(self, v: ir.Value) -> ClassId:
+    return self.eg.find(self.class_of[v.id])
+
+  def lookup(self, head, children: tuple[ClassId, ...]) -> Optional[ClassId]:
+    return self.eg.lookup(ENode(head, children))
+
+  def lookup_splat(self, value: float, type: ir.TensorType) -> Optional[ClassId]:
+    return self.eg.lookup(ENode(terms.splat_head(value, type)))
+
+  def value(self, c: ClassId) -> Optional[ir.Value]:
+    """A value of the per-device program in class ``c`` (for reports)."""
+    c = self.eg.find(c)
+    best = None
+    for cls, vals in self._values.items():
+      if self.eg.find(cls) == c:
+        for v in vals:
+          if best is None or v.id < best.id:
+            best = v
+    return best
+
+  def users(self, c: ClassId):
+    return self.eg.users(c)
+
+
+def op_users(graph: ir.Graph, deg: DistEGraph) -> dict[ClassId, list[ir.Op]]:
+  """For each e-class, the ops of the per-device program that read it."""
+  users: dict[ClassId, list[ir.Op]] = {}
+  for op in graph.ops:
+    for v in op.operands:
+      if v.id in deg.class_of:
+        users.setdefault(deg.of(v), []).append(op)
+  return users

@@ -1,0 +1,152 @@
+"""Canonicalize a distributed module into one per-device program over a named mesh.
+
+Three kinds of DIST module reach us:
+  * shard_map StableHLO: ``main`` wraps an ``sdy.manual_computation`` whose body
+    is the per-device program; mesh and layouts come from ``sdy.mesh`` and the
+    computation's in/out shardings.
+  * SPMD-partitioned modules (XLA's ``after_spmd-partitioning`` dump as text or
+    proto): ``main`` is the per-device program; parameters carry GSPMD sharding
+    strings, from which the mesh is inferred (``sharding.infer_mesh``).
+  * sharded StableHLO from ``jax.jit`` with shardings (``sdy.sharding`` on the
+    arguments, no manual computation): XLA's own partitioner turns it into the
+    previous kind (``graphguard_hlo.xla_partition``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from graphguard_hlo import ir
+from graphguard_hlo.errors import InputError
+from graphguard_hlo.passes import sharding as shd
+from graphguard_hlo.passes.collectives import COLLECTIVES, canonicalize_collectives
+from graphguard_hlo.passes.layout import Layout
+
+
+@dataclasses.dataclass
+class DistProgram:
+  module: ir.Module
+  graph: ir.Graph                      # the per-device program
+  mesh: ir.Mesh
+  param_layouts: list[Optional[Layout]]
+  result_layouts: list[Optional[Layout]]  # None: not declared, any clean layout will do
+  kind: str                            # "shard_map" | "spmd"
+
+
+def is_manual(module: ir.Module) -> bool:
+  return any(op.name == "sdy.manual_computation" for op in module.main.ops)
+
+
+def needs_partitioning(module: ir.Module) -> bool:
+  """Sharded StableHLO that XLA must still partition (jit with shardings)."""
+  if is_manual(module) or module.num_partitions <= 1:
+    return False
+  g = module.main
+  annotated = any("sdy.sharding" in a for a in g.param_attrs + g.result_attrs)
+  has_collectives = any(op.name in COLLECTIVES or op.name == "partition_id" for op in g.walk())
+  return annotated and not has_collectives
+
+
+def canonicalize_dist(module: ir.Module, num_partitions: Optional[int] = None) -> DistProgram:
+  if is_manual(module):
+    prog = _from_manual(module)
+  else:
+    prog = _from_spmd(module, num_partitions)
+  canonicalize_collectives(prog.graph, prog.mesh)
+  return prog
+
+
+def _from_manual(module: ir.Module) -> DistProgram:
+  main = module.main
+  compute = [op for op in main.ops if op.name not in ("constant",)]
+  manual = [op for op in compute if op.name == "sdy.manual_computation"]
+  if len(manual) != 1 or len(compute) != 1:
+    others = sorted({op.name for op in compute if op.name != "sdy.manual_computation"})
+    raise InputError(module.path, "only a main function that is one shard_map is supported; "
+                     f"found {len(manual)} shard_map(s) and also {others}")
+  op = manual[0]
+  in_sh, out_sh = op.attrs.get("in_shardings", ()), op.attrs.get("out_shardings", ())
+  mesh_names = {s.mesh for s in tuple(in_sh) + tuple(out_sh)}
+  if len(mesh_names) > 1:
+    raise InputError(module.path, f"shard_map over several meshes {sorted(mesh_names)}")
+  mesh_name = mesh_names.pop() if mesh_names else next(iter(module.meshes), None)
+  if mesh_name not in module.meshes:
+    raise InputError(module.path, f"mesh @{mesh_name} is not defined")
+  mesh = module.meshes[mesh_name]
+  manual_axes = set(op.attrs.get("manual_axes", ()))
+  if manual_axes and manual_axes != set(mesh.axis_names) - {a for a, n in mesh.axes if n == 1}:
+    raise InputError(module.path, "shard_map over a subset of mesh axes "
+                     f"({sorted(manual_axes)} of {list(mesh.axis_names)}) is not supported")
+  body = op.regions[0]
+  # The body's parameters stand for main's parameters: map by operand position.
+  positions = {id(p): i for i, p in enumerate(main.params)}
+  param_layouts: list[Optional[Layout]] = [None] * len(main.params)
+  graph = ir.Graph("per_device")
+  graph.params = [None] * len(main.params)  # type: ignore[list-item]
+  for operand, body_param, sh in zip(op.operands, body.params, in_sh):
+    i = positions.get(id(operand))
+    if i is None:
+      raise InputError(module.path, "shard_map operands must be main's parameters")
+    graph.params[i] = body_param
+    param_layouts[i] = shd.layout_from_sdy(sh, operand.type.rank)
+  missing = [i for i, p in enumerate(graph.params) if p is None]
+  if missing:
+    raise InputError(module.path, f"parameters {missing} are not used by the shard_map")
+  graph.param_locations = list(main.param_locations)
+  graph.param_attrs = list(main.param_attrs)
+  graph.ops = body.ops
+  graph.results = body.results
+  results = {id(r): i for i, r in enumerate(op.results)}
+  order = [results.get(id(r)) for r in main.results]
+  if None in order:
+    raise InputError(module.path, "main's results must be the shard_map's results")
+  graph.results = [body.results[i] for i in order]  # type: ignore[index]
+  result_layouts = [shd.layout_from_sdy(out_sh[i], op.results[i].type.rank)  # type: ignore[index]
+                    for i in order]
+  return DistProgram(module, graph, mesh, param_layouts, result_layouts, "shard_map")
+
+
+def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:
+  g = module.main
+  n = num_partitions or module.num_partitions
+  path = module.path
+  try:
+    param_sh = [_parse(a.get("mhlo.sharding")) for a in g.param_attrs]
+    out_text = module.attrs.get("mhlo.spmd_output_sharding")
+    result_sh: list[Optional[shd.HloSharding]]
+    if g.result_attrs and any("mhlo.sharding" in a for a in g.result_attrs):
+      result_sh = [_parse(a.get("mhlo.sharding")) for a in g.result_attrs]
+    elif out_text:
+      parsed = shd.parse_hlo_sharding(out_text)
+      result_sh = list(parsed) if isinstance(parsed, list) else [parsed] * len(g.results)
+    else:
+      result_sh = [None] * len(g.results)
+    if len(result_sh) != len(g.results):
+      result_sh = [None] * len(g.results)
+    groups = [op.attrs.get("replica_groups", ()) for op in g.walk() if op.name in COLLECTIVES]
+    mesh = shd.infer_mesh([s for s in param_sh + result_sh if s is not None], n, groups)
+    param_layouts = [
+        None if s is None else shd.layout_from_hlo_sharding(s, mesh, v.type.rank)
+        for s, v in zip(param_sh, g.params)]
+  except shd.ShardingError as e:
+    raise InputError(path, str(e)) from None
+  result_layouts: list[Optional[Layout]] = []
+  for s, v in zip(result_sh, g.results):
+    try:
+      result_layouts.append(None if s is None else shd.layout_from_hlo_sharding(s, mesh, v.type.rank))
+    except shd.ShardingError:
+      result_layouts.append(None)
+  # Parameters without a sharding on an N-way module are replicated.
+  param_layouts = [l if l is not None else Layout.replicated(v.type.rank)
+                   for l, v in zip(param_layouts, g.params)]
+  return DistProgram(module, g, mesh, param_layouts, result_layouts, "spmd")
+
+
+def _parse(text) -> Optional[shd.HloSharding]:
+  if text is None:
+    return None
+  parsed = shd.parse_hlo_sharding(text)
+  if isinstance(parsed, list):
+    raise shd.ShardingError(f"tuple sharding {text!r} on a single value")
+  return parsed

@@ -1,0 +1,321 @@
+"""Iterative relation inference: prove the per-device program refines the
+sequential one, op by op.
+
+Walk the sequential graph in order.  Each sequential value ``s`` collects
+relations ``s ~ layout of d`` to e-classes ``d`` of the per-device program.
+For an op ``s = f(s1, ..., sn)`` the lemmas (``lemmas.py``) rewrite ``f``
+applied to its operands' layouts into a local op ``f'(d1, ..., dn)`` and a
+result layout; if the per-device e-graph holds ``f'(d1, ..., dn)`` the
+relation is earned.  Every new relation is then closed under the
+per-device program's collectives and rank-dependent slicing (``transfer.py``):
+an all-reduce of a partial sum is a replica, a dynamic-slice at offset
+``r_tp * 8`` of a replica is a tile.
+
+Relations of all earlier values stay available, so the distributed program
+may recompute from any of them.  The first sequential op on the way to an
+output that gets no relation is reported, with what its operands had.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Optional
+
+from graphguard_hlo import ir
+from graphguard_hlo.errors import InputError
+from graphguard_hlo.passes import terms
+from graphguard_hlo.passes.collectives import reducer_kind
+from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
+from graphguard_hlo.passes.dist_program import DistProgram
+from graphguard_hlo.passes.layout import Layout
+from graphguard_hlo.passes.lemmas import ELEMENTWISE, SeqOp, apply_lemmas
+from graphguard_hlo.passes.rank_arith import RankArithmetic
+from graphguard_hlo.passes.transfer import Transfer
+
+MAX_RELATIONS_PER_VALUE = 24
+MAX_COMBINATIONS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Relation:
+  cls: int
+  layout: Layout
+  how: str  # the lemma or transfer rule that earned it
+
+
+@dataclasses.dataclass
+class Failure:
+  op_name: str
+  location: ir.Location
+  inputs: list[tuple[str, list[str]]]  # operand name, its relations in words
+  diagnosis: str
+  output_index: Optional[int] = None
+
+  def to_json(self) -> dict:
+    return {"op": self.op_name, "location": str(self.location),
+            "inputs": [{"operand": n, "relations": r} for n, r in self.inputs],
+            "diagnosis": self.diagnosis, "output_index": self.output_index}
+
+
+@dataclasses.dataclass
+class OutputRelation:
+  index: int
+  relation: str
+  layout: Optional[Layout]
+
+
+@dataclasses.dataclass
+class Result:
+  verdict: str                      # "refines" | "not_proved"
+  outputs: list[OutputRelation]
+  failure: Optional[Failure]
+  stats: dict
+
+  @property
+  def refines(self) -> bool:
+    return self.verdict == "refines"
+
+  def to_json(self) -> dict:
+    return {"verdict": self.verdict,
+            "outputs": [{"index": o.index, "relation": o.relation} for o in self.outputs],
+            "failure": None if self.failure is None else self.failure.to_json()}
+
+
+def _value_name(v: Optional[ir.Value]) -> str:
+  if v is None:
+    return "%?"
+  if v.producer is not None:
+    return f"%{v.producer.name}.{v.id}"
+  return f"%{v.name or v.id}"
+
+
+class RelationInference:
+  def __init__(self, seq: ir.Module, dist: DistProgram,
+               input_layouts: Optional[list[Layout]] = None):
+    self.seq_module = seq
+    self.seq = seq.main
+    self.dist = dist
+    self.mesh = dist.mesh
+    self.deg = DistEGraph(dist.graph)
+    self.users = op_users(dist.graph, self.deg)
+    self.arith = RankArithmetic(self.mesh)
+    self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
+    self.relations: dict[int, list[Relation]] = {}
+    self.splats: dict[int, float] = {}
+    self.input_layouts = input_layouts or dist.param_layouts
+    self.lookups = 0
+
+  # -- relations ---------------------------------------------------------------
+  def add_relation(self, s: ir.Value, rel: Relation) -> None:
+    work = [rel]
+    while work:
+      r = work.pop()
+      r = Relation(self.deg.find(r.cls), r.layout, r.how)
+      known = self.relations.setdefault(s.id, [])
+      if any(k.cls == r.cls and k.layout == r.layout for k in known):
+        continue
+      if len(known) >= MAX_RELATIONS_PER_VALUE:
+        return
+      known.append(r)
+      for op in self.users.get(r.cls, ()):
+        for cls, layout, how in self.transfer.apply(op, r.cls, r.layout):
+          work.append(Relation(cls, layout, how))
+
+  def describe(self, s: ir.Value) -> list[str]:
+    if s.id in self.splats:
+      return [f"constant splat {self.splats[s.id]:g}"]
+    return [f"{r.layout.describe(_value_name(self.deg.value(r.cls)))} [{r.how}]"
+            for r in self.relations.get(s.id, [])]
+
+  # -- driver ------------------------------------------------------------------
+  def run(self) -> Result:
+    seq, dist = self.seq, self.dist.graph
+    self._bind_inputs()
+    live = _live_ops(self.seq)
+    processed = 0
+    for op in seq.ops:
+      if id(op) not in live:
+        continue
+      processed += 1
+      self._step(op)
+      unrelated = [r for r in op.results if r.id not in self.splats
+                   and not self.relations.get(r.id)]
+      if unrelated:
+        from graphguard_hlo.passes.diagnose import diagnose_op
+        failure = diagnose_op(self, op)
+        return Result("not_proved", [], failure, self._stats(processed))
+    return self._check_outputs(processed)
+
+  def _stats(self, processed: int) -> dict:
+    return {"seq_ops": len(self.seq.ops), "seq_ops_checked": processed,
+            "dist_ops": len(self.dist.graph.ops), "egraph_nodes": len(self.deg.eg),
+            "lookups": self.lookups, "mesh": dict(self.mesh.axes)}
+
+  def _bind_inputs(self) -> None:
+    seq_params, dist_params = self.seq.params, self.dist.graph.params
+    path = self.dist.module.path
+    if len(seq_params) != len(dist_params):
+      raise InputError(path, f"the distributed module has {len(dist_params)} parameters, "
+                       f"the sequential one {len(seq_params)}: they must correspond by position")
+    for i, (s, d, layout) in enumerate(zip(seq_params, dist_params, self.input_layouts)):
+      if layout is None:
+        layout = Layout.replicated(s.type.rank)
+      if layout.rank != s.type.rank:
+        raise InputError(path, f"parameter {i}: relation has rank {layout.rank}, "
+                         f"the sequential parameter {s.type}")
+      local = layout.local_shape(s.shape, self.mesh)
+      if local != d.shape:
+        raise InputError(path, f"parameter {i}: sequential {s.type} under "
+                         f"{layout.describe('d')} gives per-device shape {local}, "
+                         f"but the distributed parameter is {d.type}")
+      self.add_relation(s, Relation(self.deg.of(d), layout, "input"))
+
+  def _step(self, op: ir.Op) -> None:
+    if len(op.results) == 1:
+      splat = terms.splat_value(op.results[0])
+      if splat is not None:
+        self.splats[op.results[0].id] = splat
+        return
+    attrs = dict(op.attrs)
+    if op.name == "reduce" and op.regions:
+      attrs["gg.reduction"] = reducer_kind(op.regions[0])
+    seq_op = SeqOp(op.name, attrs, tuple(v.type for v in op.operands),
+                   op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh)
+    self._scale_by_constant(op)
+    if op.name == "iota":
+      for cls, layout in self.transfer.offset_iotas(op.results[0].type, op.attrs):
+        self.add_relation(op.results[0], Relation(cls, layout, "iota-plus-rank-offset"))
+    for combo in self._operand_combinations(op):
+      layouts = [l for _, l in combo]
+      for k, result in enumerate(op.results):
+        rop = seq_op if k == 0 else dataclasses.replace(seq_op, result_type=result.type)
+        for step in apply_lemmas(rop, layouts):
+          if not self._inits_are_identities(op, step):
+            continue
+          children = self._children(op, combo, step)
+          if children is None:
+            continue
+          head = terms.op_head(op.name, step.attrs, step.result_type, tuple(op.regions), k)
+          self.lookups += 1
+          cls = self.deg.lookup(head, children)
+          if cls is not None:
+            self.add_relation(result, Relation(cls, step.layout, step.lemma))
+
+  def _scale_by_constant(self, op: ir.Op) -> None:
+    """s * c and s / c relate wherever s does, with the scale adjusted."""
+    if op.name not in ("multiply", "divide") or len(op.operands) != 2:
+      return
+    a, b = op.operands
+    if op.name == "multiply" and a.id in self.splats and b.id not in self.splats:
+      a, b = b, a
+    c = self.splats.get(b.id)
+    if c is None or c == 0 or a.id in self.splats:
+      return
+    factor = c if op.name == "multiply" else 1.0 / c
+    if not op.results[0].type.dtype.startswith(("f", "bf")):
+      return
+    for r in list(self.relations.get(a.id, [])):
+      self.add_relation(op.results[0], Relation(r.cls, r.layout.scaled(factor),
+                                                f"scale-by-constant({r.how})"))
+
+  def _operand_combinations(self, op: ir.Op):
+    choices = []
+    for v in op.operands:
+      if v.id in self.splats:
+        choices.append([("splat", None)])
+      else:
+        rels = self.relations.get(v.id, [])
+        if not rels:
+          return
+        choices.append([(r, r.layout) for r in rels])
+    for combo in itertools.islice(itertools.product(*choices), MAX_COMBINATIONS):
+      yield self._adopt_splat_layouts(op, list(combo))
+
+  def _adopt_splat_layouts(self, op: ir.Op, combo):
+    """A splat tiles any way: give it the tiling of its non-splat neighbours."""
+    model = next((l for r, l in combo if r != "splat"), None)
+    out = []
+    for (r, l), v in zip(combo, op.operands):
+      if r == "splat":
+        if op.name in ELEMENTWISE and model is not None and v.type.rank == model.rank:
+          l = Layout(model.dims)
+        else:
+          l = Layout.replicated(v.type.rank)
+      out.append((r, l))
+    return out
+
+  def _children(self, op: ir.Op, combo, step) -> Optional[tuple[int, ...]]:
+    children = []
+    for v, (r, l) in zip(op.operands, combo):
+      if r == "splat":
+        local = l.local_shape(v.shape, self.mesh)
+        if local is None:
+          return None
+        cls = self.deg.lookup_splat(self.splats[v.id], ir.TensorType(local, v.type.dtype))
+        if cls is None:
+          return None
+        children.append(cls)
+      else:
+        children.append(r.cls)
+    return tuple(children)
+
+  def _inits_are_identities(self, op: ir.Op, step) -> bool:
+    """A reduction split over ranks adds its init once per rank: it must be the identity."""
+    if op.name != "reduce" or not step.layout.partial:
+      return True
+    n = len(op.operands) // 2
+    kind = step.layout.partial_kind
+    for init in op.operands[n:]:
+      value = self.splats.get(init.id)
+      identity = {"sum": (0.0,), "max": (-math.inf,), "min": (math.inf,)}[kind]
+      if value is None or (value not in identity and not (
+          kind != "sum" and abs(value) >= 3.0e38)):
+        return False
+    return True
+
+  # -- outputs -------------------------------------------------------------------
+  def _check_outputs(self, processed: int) -> Result:
+    outputs = []
+    dist = self.dist
+    if len(self.seq.results) != len(dist.graph.results):
+      raise InputError(dist.module.path, f"the distributed module returns "
+                       f"{len(dist.graph.results)} values, the sequential one "
+                       f"{len(self.seq.results)}")
+    for i, (s, d) in enumerate(zip(self.seq.results, dist.graph.results)):
+      declared = dist.result_layouts[i] if i < len(dist.result_layouts) else None
+      target = self.deg.of(d)
+      if s.id in self.splats:
+        local = (declared or Layout.replicated(s.type.rank)).local_shape(s.shape, self.mesh)
+        if local and self.deg.lookup_splat(self.splats[s.id],
+                                           ir.TensorType(local, s.type.dtype)) == target:
+          outputs.append(OutputRelation(i, f"constant {self.splats[s.id]:g}", declared))
+          continue
+      ok = [r for r in self.relations.get(s.id, []) if r.cls == target and r.layout.is_clean()
+            and not r.layout.partial and (declared is None or r.layout == declared)]
+      if not ok:
+        from graphguard_hlo.passes.diagnose import diagnose_output
+        failure = diagnose_output(self, i, s, d, declared)
+        return Result("not_proved", outputs, failure, self._stats(processed))
+      outputs.append(OutputRelation(i, ok[0].layout.describe(f"out{i}"), ok[0].layout))
+    return Result("refines", outputs, None, self._stats(processed))
+
+
+def _live_ops(g: ir.Graph) -> set[int]:
+  """Ops whose results reach an output: dead sequential code need not be matched."""
+  producer_of = {id(r): op for op in g.ops for r in op.results}
+  live: set[int] = set()
+  stack = [producer_of.get(id(v)) for v in g.results]
+  while stack:
+    op = stack.pop()
+    if op is None or id(op) in live:
+      continue
+    live.add(id(op))
+    stack.extend(producer_of.get(id(v)) for v in op.operands)
+  return live
+
+
+def verify_programs(seq: ir.Module, dist: DistProgram,
+                    input_layouts: Optional[list[Layout]] = None) -> Result:
+  return RelationInference(seq, dist, input_layouts).run()

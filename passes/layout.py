@@ -1,0 +1,187 @@
+"""Layouts: how a sequential tensor is rebuilt from one distributed value.
+
+A ``Layout`` is the relation type of the paper, in a form that stays flat in the
+number of ranks.  For a sequential tensor ``S`` and a value ``d`` of the
+per-device program (``d@r`` is its value at rank ``r``, a mesh coordinate),
+``S ~ Layout(dims, partial, scale) of d`` means, for EVERY rank ``r``::
+
+    tile(S, r) == scale * SUM over r' agreeing with r off the partial axes of d@r'
+
+where ``tile(S, r)`` is the block of ``S`` whose index along dimension ``i`` is
+the mixed-radix number formed by ``r``'s coordinates on the axes ``dims[i]``
+(major to minor).  Mesh axes that appear in neither ``dims`` nor ``partial`` are
+replicated: since the equation holds at every rank, ``d`` is the same along
+them.  The clean expression this stands for is concat-over-ranks (``dims``),
+sum-over-ranks (``partial``) and pick-one-replica (the rest); ``scale`` other
+than 1 is never clean, it is kept only to say *how* an output is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Optional
+
+import numpy as np
+
+from graphguard_hlo.ir import Mesh
+
+Axes = tuple[str, ...]
+SCALE_RTOL = 1e-5  # float constants: 1/sqrt(d) in f32 vs an exact rational
+
+
+def scales_equal(a: float, b: float) -> bool:
+  return math.isclose(a, b, rel_tol=SCALE_RTOL, abs_tol=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  dims: tuple[Axes, ...]
+  partial: Axes = ()          # sorted axes summed over
+  partial_kind: str = "sum"   # "sum" | "max" | "min": how partial axes combine
+  scale: float = 1.0
+
+  @staticmethod
+  def replicated(rank: int) -> "Layout":
+    return Layout(tuple(() for _ in range(rank)))
+
+  def __post_init__(self):
+    object.__setattr__(self, "partial", tuple(sorted(self.partial)))
+    if not self.partial:
+      object.__setattr__(self, "partial_kind", "sum")
+
+  # -- queries ---------------------------------------------------------------
+  @property
+  def rank(self) -> int:
+    return len(self.dims)
+
+  def split_axes(self) -> set[str]:
+    return {a for d in self.dims for a in d}
+
+  def used_axes(self) -> set[str]:
+    return self.split_axes() | set(self.partial)
+
+  def is_valid(self) -> bool:
+    axes = [a for d in self.dims for a in d] + list(self.partial)
+    return len(axes) == len(set(axes))
+
+  def is_clean(self) -> bool:
+    return scales_equal(self.scale, 1.0)
+
+  def is_full_replica(self) -> bool:
+    return not self.split_axes() and not self.partial
+
+  def local_shape(self, global_shape: Iterable[int], mesh: Mesh) -> Optional[tuple[int, ...]]:
+    out = []
+    for size, axes in zip(global_shape, self.dims):
+      n = math.prod(mesh.axis_size(a) for a in axes)
+      if size % n:
+        return None
+      out.append(size // n)
+    return tuple(out)
+
+  def with_(self, **kw) -> "Layout":
+    return dataclasses.replace(self, **kw)
+
+  def scaled(self, factor: float) -> "Layout":
+    return self.with_(scale=self.scale * factor)
+
+  # -- text -----------------------------------------------------------------
+  def describe(self, value_name: str) -> str:
+    """The clean expression, e.g. ``sum[tp](concat[dim1: dp](%3@r))``."""
+    expr = f"{value_name}@r"
+    if self.partial:
+      expr = f"{self.partial_kind}[{','.join(self.partial)}]({expr})"
+    split = [f"dim{i}:{'x'.join(axes)}" for i, axes in enumerate(self.dims) if axes]
+    if split:
+      expr = f"concat[{' '.join(split)}]({expr})"
+    if not split and not self.partial:
+      expr = f"replica({expr})"
+    if not self.is_clean():
+      expr = f"{self.scale:g} * {expr}"
+    return expr
+
+  def __str__(self) -> str:
+    return self.describe("d")
+
+
+# -- numeric semantics, for tests and cross-checks ------------------------------
+
+def assemble(layout: Layout, mesh: Mesh, local_at: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
+  """The sequential tensor a layout says the per-rank values ``local_at`` stand for.
+
+  ``local_at`` maps every mesh coordinate (a tuple, one entry per mesh axis) to
+  that rank's value.  Checks the replicated and partial claims along the way
+  and raises ``AssertionError`` if the ranks disagree.
+  """
+  names = mesh.axis_names
+  sizes = dict(mesh.axes)
+  tiles: dict[tuple[int, ...], np.ndarray] = {}
+  for coord in np.ndindex(*[s for _, s in mesh.axes]):
+    r = dict(zip(names, coord))
+    total = None
+    for pcoord in np.ndindex(*[sizes[a] for a in layout.partial]):
+      rr = dict(r, **dict(zip(layout.partial, pcoord)))
+      v = np.asarray(local_at[tuple(rr[n] for n in names)], dtype=np.float64)
+      if total is None:
+        total = v
+      elif layout.partial_kind == "sum":
+        total = total + v
+      elif layout.partial_kind == "max":
+        total = np.maximum(total, v)
+      else:
+        total = np.minimum(total, v)
+    total = layout.scale * total
+    tile_idx = []
+    for axes in layout.dims:
+      idx = 0
+      for a in axes:
+        idx = idx * sizes[a] + r[a]
+      tile_idx.append(idx)
+    key = tuple(tile_idx)
+    if key in tiles:
+      np.testing.assert_allclose(tiles[key], total, rtol=1e-6, atol=1e-6)
+    else:
+      tiles[key] = total
+  counts = [math.prod(sizes[a] for a in axes) for axes in layout.dims]
+  blocks = np.empty(counts, dtype=object)
+  for key, tile in tiles.items():
+    blocks[key] = tile
+  return np.block(blocks.tolist()) if layout.rank else blocks[()]
+
+
+def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generator | None = None
+          ) -> dict[tuple[int, ...], np.ndarray]:
+  """Per-rank values that ``assemble`` turns back into ``value`` (random partial splits)."""
+  names = mesh.axis_names
+  sizes = dict(mesh.axes)
+  out = {}
+  rng = rng or np.random.default_rng(0)
+  n_partial = math.prod(sizes[a] for a in layout.partial)
+  # One random split of value/scale into n_partial summands, shared by all ranks
+  # that hold the same tile.
+  pieces: dict[tuple, list[np.ndarray]] = {}
+  for coord in np.ndindex(*[s for _, s in mesh.axes]):
+    r = dict(zip(names, coord))
+    index = []
+    for dim, axes in enumerate(layout.dims):
+      n = math.prod(sizes[a] for a in axes)
+      size = value.shape[dim] // n
+      idx = 0
+      for a in axes:
+        idx = idx * sizes[a] + r[a]
+      index.append(slice(idx * size, (idx + 1) * size))
+    tile = np.asarray(value, dtype=np.float64)[tuple(index)] / layout.scale
+    key = tuple((s.start, s.stop) for s in index)
+    if key not in pieces:
+      if layout.partial and layout.partial_kind == "sum":
+        parts = [rng.standard_normal(tile.shape) for _ in range(n_partial - 1)]
+        parts.append(tile - sum(parts) if parts else tile)
+      else:
+        parts = [tile] * n_partial
+      pieces[key] = parts
+    pidx = 0
+    for a in layout.partial:
+      pidx = pidx * sizes[a] + r[a]
+    out[coord] = pieces[key][pidx]
+  return out

@@ -1,0 +1,410 @@
+"""Rewrite lemmas: how a sequential op acts on sharded operands.
+
+Each lemma is the equation of the paper read left to right, e.g. for
+``dot_general`` with both contracting dims split over axis ``tp``::
+
+    dot(concat[tp](a@r, dim 1), concat[tp](b@r, dim 0)) = sum[tp](dot(a@r, b@r))
+
+In the flat form used here a lemma takes the *layouts* of the sequential op's
+operands and returns the local op the distributed program must run (same op,
+attributes rewritten for local shapes) and the layout of its result.  Whether
+the distributed program really runs that op is a separate question, answered
+by a hash-cons lookup in its e-graph (``inference``).  Lemmas never look at
+the distributed program, so each one is a pure statement we can test on its
+own: ``tests/test_lemmas.py`` checks every lemma on random shapes, meshes,
+layouts and values against numpy (both sides evaluated, rank by rank).
+
+Every lemma lists the ops it covers and states its equation.  They are tried
+in order and all results are kept: one op may relate in several ways.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Callable, Iterator, Optional, Sequence
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes.layout import Layout, scales_equal
+
+# -- op classes ----------------------------------------------------------------
+
+UNARY_LINEAR = frozenset({"negate", "copy", "real", "imag"})
+FLOAT_TYPES = ("f", "bf")
+UNARY_NONLINEAR = frozenset({
+    "abs", "cbrt", "ceil", "cosine", "exponential", "exponential_minus_one", "floor",
+    "is_finite", "log", "log_plus_one", "logistic", "not", "popcnt", "round_nearest_afz",
+    "round_nearest_even", "rsqrt", "sign", "sine", "sqrt", "tan", "tanh", "erf",
+    "count_leading_zeros", "convert", "bitcast_convert", "reduce_precision", "negate", "copy"})
+BINARY_ELEMENTWISE = frozenset({
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "remainder",
+    "atan2", "and", "or", "xor", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "compare", "complex"})
+TERNARY_ELEMENTWISE = frozenset({"select", "clamp"})
+ELEMENTWISE = UNARY_NONLINEAR | BINARY_ELEMENTWISE | TERNARY_ELEMENTWISE
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqOp:
+  """What a lemma may read of a sequential op: name, attributes, global types."""
+  name: str
+  attrs: dict
+  operand_types: tuple[ir.TensorType, ...]
+  result_type: ir.TensorType
+  mesh: ir.Mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """The local op (same name; ``attrs``; result type) and its result's layout."""
+  attrs: dict
+  result_type: ir.TensorType
+  layout: Layout
+  lemma: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Lemma:
+  name: str
+  ops: frozenset[str]
+  statement: str
+  rule: Callable[[SeqOp, Sequence[Layout]], Iterator[tuple[dict, Layout]]]
+
+
+def _local_type(op: SeqOp, layout: Layout) -> Optional[ir.TensorType]:
+  shape = layout.local_shape(op.result_type.shape, op.mesh)
+  return None if shape is None else ir.TensorType(shape, op.result_type.dtype)
+
+
+def _same_dims(layouts: Sequence[Layout]) -> bool:
+  return all(l.dims == layouts[0].dims for l in layouts)
+
+
+def _is_float(t: ir.TensorType) -> bool:
+  return t.dtype.startswith(FLOAT_TYPES)
+
+
+# -- elementwise ------------------------------------------------------------------
+
+def _elementwise_tiles(op: SeqOp, ls: Sequence[Layout]):
+  """f(concat(a_r), concat(b_r)) = concat(f(a_r, b_r)): any elementwise f,
+  operands tiled alike, no partial sums, unscaled."""
+  if _same_dims(ls) and all(not l.partial and l.is_clean() for l in ls):
+    yield op.attrs, Layout(ls[0].dims)
+
+
+def _linear_sum(op: SeqOp, ls: Sequence[Layout]):
+  """add/subtract/negate/convert are linear: f(k*sum_r a_r, k*sum_r b_r) =
+  k*sum_r f(a_r, b_r), when all operands are partial over the same axes (or
+  none) and carry the same scale."""
+  if op.name == "convert" and not (_is_float(op.operand_types[0]) and _is_float(op.result_type)):
+    return
+  first = ls[0]
+  if first.partial and first.partial_kind != "sum":
+    return
+  if _same_dims(ls) and all(l.partial == first.partial and l.partial_kind == first.partial_kind
+                            and scales_equal(l.scale, first.scale) for l in ls):
+    yield op.attrs, first
+
+
+def _product(op: SeqOp, ls: Sequence[Layout]):
+  """(sum_r a_r) * b = sum_r (a_r * b) when b is not partial; scales multiply."""
+  a, b = ls
+  if not _same_dims(ls) or (a.partial and b.partial):
+    return
+  p = a if a.partial else b
+  if p.partial and p.partial_kind != "sum":
+    return
+  yield op.attrs, Layout(a.dims, p.partial, p.partial_kind, a.scale * b.scale)
+
+
+def _quotient(op: SeqOp, ls: Sequence[Layout]):
+  """(sum_r a_r) / b = sum_r (a_r / b) when b is not partial; scales divide."""
+  a, b = ls
+  if not _same_dims(ls) or b.partial or (a.partial and a.partial_kind != "sum"):
+    return
+  if not _is_float(op.result_type):
+    return
+  yield op.attrs, Layout(a.dims, a.partial, a.partial_kind, a.scale / b.scale)
+
+
+def _select_linear(op: SeqOp, ls: Sequence[Layout]):
+  """select(p, sum a_r, sum b_r) = sum_r select(p, a_r, b_r) when p is not partial."""
+  p, a, b = ls
+  if not _same_dims(ls) or p.partial or not p.is_clean():
+    return
+  if a.partial and a.partial == b.partial and a.partial_kind == b.partial_kind == "sum" \
+      and scales_equal(a.scale, b.scale):
+    yield op.attrs, a
+
+
+def _monotone_max(op: SeqOp, ls: Sequence[Layout]):
+  """max(max_r a_r, max_r b_r) = max_r max(a_r, b_r): partial maxima combine."""
+  if not _same_dims(ls) or not ls[0].partial:
+    return
+  kind = {"maximum": "max", "minimum": "min"}[op.name]
+  if all(l.partial == ls[0].partial and l.partial_kind == kind and l.is_clean() for l in ls):
+    yield op.attrs, ls[0]
+
+
+# -- structural ops -----------------------------------------------------------------
+
+def _dot_general(op: SeqOp, ls: Sequence[Layout]):
+  """dot(concat[x](a_r, k), concat[x](b_r, k')) = sum[x](dot(a_r, b_r)) over split
+  contracting dims; batch dims must be split alike; free dims keep their split."""
+  a, b = ls
+  at = op.attrs
+  lb, rb = at["lhs_batch"], at["rhs_batch"]
+  lc, rc = at["lhs_contract"], at["rhs_contract"]
+  if (a.partial and b.partial) or any(l.partial and l.partial_kind != "sum" for l in ls):
+    return
+  if any(a.dims[i] != b.dims[j] for i, j in zip(lb, rb)):
+    return
+  if any(a.dims[i] != b.dims[j] for i, j in zip(lc, rc)):
+    return
+  contracted = tuple(ax for i in lc for ax in a.dims[i])
+  lfree = [i for i in range(a.rank) if i not in lb and i not in lc]
+  rfree = [j for j in range(b.rank) if j not in rb and j not in rc]
+  dims = tuple(a.dims[i] for i in lb) + tuple(a.dims[i] for i in lfree) + tuple(
+      b.dims[j] for j in rfree)
+  partial = tuple(a.partial or b.partial) + contracted
+  out = Layout(dims, partial, "sum", a.scale * b.scale)
+  if out.is_valid():
+    yield at, out
+
+
+def _transpose(op: SeqOp, ls: Sequence[Layout]):
+  """transpose(concat(a_r, k)) = concat(transpose(a_r), perm^-1(k))."""
+  (a,) = ls
+  perm = op.attrs["permutation"]
+  yield op.attrs, a.with_(dims=tuple(a.dims[p] for p in perm))
+
+
+def reshape_groups(src: Sequence[int], dst: Sequence[int]
+                   ) -> Optional[list[tuple[list[int], list[int]]]]:
+  """Split a reshape into minimal groups of dims with equal products."""
+  groups, i, j = [], 0, 0
+  while i < len(src) or j < len(dst):
+    gi, gj = [], []
+    pi = pj = 1
+    while True:
+      if pi == pj and gi and gj:
+        break
+      if (pi <= pj and i < len(src)) or j >= len(dst):
+        if i >= len(src):
+          return None
+        gi.append(i); pi *= src[i]; i += 1
+      else:
+        gj.append(j); pj *= dst[j]; j += 1
+    # absorb trailing size-1 dims into this group
+    while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+      gi.append(i); i += 1
+    while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+      gj.append(j); j += 1
+    groups.append((gi, gj))
+  return groups
+
+
+def _reshape(op: SeqOp, ls: Sequence[Layout]):
+  """reshape(concat(a_r, k)) = concat(reshape(a_r), k') when only the major dim
+  of each merged/split group is tiled and its tile count divides the new major dim."""
+  (a,) = ls
+  src, dst = op.operand_types[0].shape, op.result_type.shape
+  groups = reshape_groups(src, dst)
+  if groups is None:
+    return
+  dims: list[tuple[str, ...]] = [() for _ in dst]
+  sizes = dict(op.mesh.axes)
+  for gi, gj in groups:
+    split = [i for i in gi if a.dims[i]]
+    if not split:
+      continue
+    major_src = next((i for i in gi if src[i] != 1), gi[0])
+    major_dst = next((j for j in gj if dst[j] != 1), gj[0] if gj else None)
+    if split != [major_src] or major_dst is None:
+      return
+    n = math.prod(sizes[x] for x in a.dims[major_src])
+    if dst[major_dst] % n:
+      return
+    dims[major_dst] = a.dims[major_src]
+  yield {}, a.with_(dims=tuple(dims))
+
+
+def _free_axis_choices(op: SeqOp, taken: set[str], free_dims: Sequence[int],
+                       base: list[tuple[str, ...]], limit: int = 24):
+  """Ways to tile dims whose content does not depend on the position along them."""
+  avail = [a for a, n in op.mesh.axes if a not in taken and n > 1]
+  options_per_dim = []
+  for d in free_dims:
+    opts: list[tuple[str, ...]] = [()]
+    for k in range(1, len(avail) + 1):
+      for combo in itertools.permutations(avail, k):
+        n = math.prod(op.mesh.axis_size(x) for x in combo)
+        if op.result_type.shape[d] % n == 0:
+          opts.append(combo)
+    options_per_dim.append(opts)
+  count = 0
+  for choice in itertools.product(*options_per_dim):
+    flat = [x for c in choice for x in c]
+    if len(flat) != len(set(flat)):
+      continue
+    dims = list(base)
+    for d, c in zip(free_dims, choice):
+      dims[d] = c
+    yield tuple(dims)
+    count += 1
+    if count >= limit:
+      return
+
+
+def _broadcast_in_dim(op: SeqOp, ls: Sequence[Layout]):
+  """broadcast(concat(a_r, k)) = concat(broadcast(a_r), map(k)); the new and the
+  size-1-expanded dims may be tiled over any axis a is invariant along (every
+  tile of a broadcast holds the same values)."""
+  (a,) = ls
+  bdims = op.attrs["broadcast_dimensions"]
+  src = op.operand_types[0].shape
+  dst = op.result_type.shape
+  base: list[tuple[str, ...]] = [() for _ in dst]
+  for i, d in enumerate(bdims):
+    if a.dims[i]:
+      if src[i] != dst[d]:
+        return
+      base[d] = a.dims[i]
+  free = [d for d in range(len(dst)) if d not in bdims or src[bdims.index(d)] != dst[d]]
+  for dims in _free_axis_choices(op, a.used_axes(), free, base):
+    yield op.attrs, a.with_(dims=dims)
+
+
+def _iota(op: SeqOp, ls: Sequence[Layout]):
+  """iota along k is invariant along every other dim: tile those freely."""
+  k = op.attrs["iota_dimension"]
+  free = [d for d in range(op.result_type.rank) if d != k]
+  for dims in _free_axis_choices(op, set(), free, [() for _ in range(op.result_type.rank)]):
+    yield op.attrs, Layout(dims)
+
+
+def _reduce(op: SeqOp, ls: Sequence[Layout]):
+  """reduce_+(concat[x](a_r, k), k) = sum[x](reduce_+(a_r, k)); likewise max/min.
+  The init operands must be the reduction's identity (checked by the caller,
+  which knows their values) and are not tiled."""
+  n = len(ls) // 2
+  if n != 1:
+    return
+  a = ls[0]
+  kind = op.attrs.get("gg.reduction")
+  dims = op.attrs["dimensions"]
+  reduced_axes = tuple(x for d in dims for x in a.dims[d])
+  kept = tuple(a.dims[d] for d in range(a.rank) if d not in dims)
+  if kind == "sum":
+    if a.partial and a.partial_kind != "sum":
+      return
+    out = Layout(kept, tuple(a.partial) + reduced_axes, "sum", a.scale)
+  elif kind in ("max", "min"):
+    if a.partial or not a.is_clean():
+      return
+    out = Layout(kept, reduced_axes, kind)
+  else:
+    if reduced_axes or a.partial or not a.is_clean():
+      return
+    out = Layout(kept)
+  if out.is_valid():
+    yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, out
+
+
+def _slice(op: SeqOp, ls: Sequence[Layout]):
+  """slice(concat(a_r, k)) = concat(slice(a_r), k) when dim k is taken whole."""
+  (a,) = ls
+  shape = op.operand_types[0].shape
+  start, limit, strides = (list(op.attrs[k]) for k in ("start_indices", "limit_indices", "strides"))
+  local = a.local_shape(shape, op.mesh)
+  if local is None:
+    return
+  for d, axes in enumerate(a.dims):
+    if axes:
+      if (start[d], limit[d], strides[d]) != (0, shape[d], 1):
+        return
+      limit[d] = local[d]
+  yield {"start_indices": tuple(start), "limit_indices": tuple(limit),
+         "strides": tuple(strides)}, a
+
+
+def _concatenate(op: SeqOp, ls: Sequence[Layout]):
+  """concat(concat(a_r, j), concat(b_r, j), k) = concat(concat(a_r, b_r, k), j), j != k."""
+  k = op.attrs["dimension"]
+  first = ls[0]
+  if first.dims[k] or any(l != first for l in ls):
+    return
+  yield op.attrs, first
+
+
+def _pad(op: SeqOp, ls: Sequence[Layout]):
+  """pad leaves untouched dims' tiling intact (padding value is not tiled)."""
+  a, v = ls
+  lo, hi, inner = (op.attrs[k] for k in ("edge_padding_low", "edge_padding_high",
+                                         "interior_padding"))
+  if v.partial or any(a.dims[d] and (lo[d] or hi[d] or inner[d]) for d in range(a.rank)):
+    return
+  yield op.attrs, a
+
+
+def _replicas(op: SeqOp, ls: Sequence[Layout]):
+  """f(x) = f(x): any op, opaque or not, on whole unscaled replicas gives a whole
+  replica.  This is the only lemma unknown ops get."""
+  if all(l.is_full_replica() and l.is_clean() for l in ls):
+    yield op.attrs, Layout.replicated(op.result_type.rank)
+
+
+LEMMAS: tuple[Lemma, ...] = (
+    Lemma("elementwise-over-tiles", ELEMENTWISE,
+          "f(concat(a_r,k), concat(b_r,k)) = concat(f(a_r,b_r),k)", _elementwise_tiles),
+    Lemma("linear-over-partial-sum",
+          frozenset({"add", "subtract", "negate", "convert", "copy"}),
+          "f(sum_r a_r, sum_r b_r) = sum_r f(a_r, b_r)  (f linear)", _linear_sum),
+    Lemma("product-with-partial-sum", frozenset({"multiply"}),
+          "(sum_r a_r) * b = sum_r (a_r * b);  (s*a) * (t*b) = st * (a*b)", _product),
+    Lemma("quotient-of-partial-sum", frozenset({"divide"}),
+          "(sum_r a_r) / b = sum_r (a_r / b);  (s*a) / (t*b) = (s/t) * (a/b)", _quotient),
+    Lemma("select-of-partial-sums", frozenset({"select"}),
+          "select(p, sum_r a_r, sum_r b_r) = sum_r select(p, a_r, b_r)", _select_linear),
+    Lemma("max-of-partial-max", frozenset({"maximum", "minimum"}),
+          "max(max_r a_r, max_r b_r) = max_r max(a_r, b_r)", _monotone_max),
+    Lemma("dot-general", frozenset({"dot_general"}),
+          "dot(concat(a1,a2,1), concat(b1,b2,0)) = dot(a1,b1) + dot(a2,b2), and batch/free "
+          "dims keep their tiling", _dot_general),
+    Lemma("transpose", frozenset({"transpose"}),
+          "transpose(concat(a_r,k), p) = concat(transpose(a_r,p), p^-1(k))", _transpose),
+    Lemma("reshape", frozenset({"reshape"}),
+          "reshape(concat(a_r, major of group)) = concat(reshape(a_r), new major)", _reshape),
+    Lemma("broadcast-in-dim", frozenset({"broadcast_in_dim"}),
+          "broadcast(concat(a_r,k)) = concat(broadcast(a_r), map(k)); new dims tile freely",
+          _broadcast_in_dim),
+    Lemma("iota", frozenset({"iota"}), "iota(k) tiles freely along dims other than k", _iota),
+    Lemma("reduce", frozenset({"reduce"}),
+          "reduce_+(concat(a_r,k), k) = sum_r reduce_+(a_r, k); max/min alike", _reduce),
+    Lemma("slice-untiled-dims", frozenset({"slice"}),
+          "slice(concat(a_r,k)) = concat(slice(a_r),k) if dim k is whole", _slice),
+    Lemma("concatenate-other-dim", frozenset({"concatenate"}),
+          "concat(concat(a_r,j), concat(b_r,j), k) = concat(concat(a_r,b_r,k), j)",
+          _concatenate),
+    Lemma("pad-untiled-dims", frozenset({"pad"}), "pad(concat(a_r,k)) = concat(pad(a_r),k) "
+          "if dim k is not padded", _pad),
+)
+REPLICA_LEMMA = Lemma("identical-on-replicas", frozenset(), "f(x) = f(x) on whole replicas",
+                      _replicas)
+
+
+def lemmas_for(name: str) -> list[Lemma]:
+  return [l for l in LEMMAS if name in l.ops] + [REPLICA_LEMMA]
+
+
+def apply_lemmas(op: SeqOp, layouts: Sequence[Layout]) -> Iterator[Step]:
+  """Every (local op, result layout) some lemma derives for these operand layouts."""
+  for lemma in lemmas_for(op.name):
+    for attrs, layout in lemma.rule(op, layouts):
+      if not layout.is_valid():
+        continue
+      t = _local_type(op, layout)
+      if t is not None:
+        yield Step(attrs, t, layout, lemma.name)

@@ -1,0 +1,172 @@
+"""Symbolic index arithmetic on partition-id, with sympy.
+
+The per-device program is one program for all ranks; the only thing that
+differs between them is ``partition_id`` (and values computed from it).  We
+evaluate scalar integer computations over it to a sympy expression in one
+symbol per mesh axis, ``r_<axis>``, so that e.g. a dynamic-slice offset can be
+proved equal to ``r_tp * 8`` once, for every rank at the same time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import sympy
+
+from graphguard_hlo import ir
+
+
+def rank_symbol(axis: str) -> sympy.Symbol:
+  return sympy.Symbol(f"r_{axis}", integer=True, nonnegative=True)
+
+
+class RankArithmetic:
+  """Memoized evaluation of integer scalars of the per-device program."""
+
+  def __init__(self, mesh: ir.Mesh):
+    self.mesh = mesh
+    self._memo: dict[int, Optional[sympy.Expr]] = {}
+    self.bounds = {rank_symbol(a): (0, n - 1) for a, n in mesh.axes}
+
+  def partition_id(self) -> sympy.Expr:
+    if self.mesh.device_ids is not None and tuple(self.mesh.device_ids) != tuple(
+        range(self.mesh.size)):
+      raise NotImplementedError("non-iota device order")
+    expr, stride = sympy.Integer(0), 1
+    for name, size in reversed(self.mesh.axes):
+      expr += rank_symbol(name) * stride
+      stride *= size
+    return expr
+
+  def value(self, v: ir.Value) -> Optional[sympy.Expr]:
+    if v.id in self._memo:
+      return self._memo[v.id]
+    self._memo[v.id] = None  # cycles cannot happen in SSA, but be safe
+    result = self._eval(v)
+    self._memo[v.id] = result
+    return result
+
+  def _eval(self, v: ir.Value) -> Optional[sympy.Expr]:
+    op = v.producer
+    if op is None or math.prod(v.shape) != 1:
+      return None
+    if v.type.dtype.startswith(("f", "bf")) and op.name not in ("convert", "reshape",
+                                                                "broadcast_in_dim", "copy"):
+      return None
+    name = op.name
+    args = op.operands
+    if name in ("partition_id",):
+      return self.partition_id()
+    if name == "constant":
+      arr = np.asarray(op.attrs["value"])
+      if arr.dtype.kind in "iub":
+        return sympy.Integer(int(arr.reshape(-1)[0]))
+      return None
+    if name in ("convert", "reshape", "broadcast_in_dim", "copy", "bitcast_convert"):
+      # Integer to float converts of small integers (positions) are exact.
+      return self.value(args[0])
+    if name in ("add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum"):
+      a, b = self.value(args[0]), self.value(args[1])
+      if a is None or b is None:
+        return None
+      if name == "add":
+        return sympy.expand(a + b)
+      if name == "subtract":
+        return sympy.expand(a - b)
+      if name == "multiply":
+        return sympy.expand(a * b)
+      if name == "divide":
+        return self._floordiv(a, b)
+      if name == "remainder":
+        q = self._floordiv(a, b)
+        return None if q is None else sympy.expand(a - q * b)
+      return self._minmax(name, a, b)
+    if name == "clamp":
+      lo, x, hi = (self.value(a) for a in args)
+      if None in (lo, x, hi):
+        return None
+      inner = self._minmax("minimum", x, hi)
+      return None if inner is None else self._minmax("maximum", inner, lo)
+    if name in ("dynamic_slice", "slice"):
+      return self._table_lookup(op)
+    return None
+
+  # A linear form with non-negative integer coefficients is bounded by the mesh.
+  def range_of(self, e: sympy.Expr) -> Optional[tuple[int, int]]:
+    poly = sympy.Poly(e, *self.bounds) if e.free_symbols else None
+    if poly is None:
+      return int(e), int(e)
+    if poly.total_degree() > 1:
+      return None
+    lo = hi = int(poly.coeff_monomial(1))
+    for s, (a, b) in self.bounds.items():
+      c = int(poly.coeff_monomial(s))
+      lo += min(c * a, c * b)
+      hi += max(c * a, c * b)
+    return lo, hi
+
+  def _minmax(self, name: str, a: sympy.Expr, b: sympy.Expr) -> Optional[sympy.Expr]:
+    ra, rb = self.range_of(a), self.range_of(b)
+    if ra is None or rb is None:
+      return None
+    if name == "minimum":
+      if ra[1] <= rb[0]:
+        return a
+      if rb[1] <= ra[0]:
+        return b
+    else:
+      if ra[0] >= rb[1]:
+        return a
+      if rb[0] >= ra[1]:
+        return b
+    return None
+
+  def _floordiv(self, a: sympy.Expr, b: sympy.Expr) -> Optional[sympy.Expr]:
+    if not b.is_Integer or int(b) == 0:
+      return None
+    q = sympy.expand(a / b)
+    # Exact when every coefficient divides; otherwise only mixed radix splits.
+    if all(c.is_Integer for c in sympy.Poly(q, *self.bounds).coeffs()) if q.free_symbols else q.is_Integer:
+      return q
+    return self._mixed_radix_div(a, int(b))
+
+  def _mixed_radix_div(self, a: sympy.Expr, b: int) -> Optional[sympy.Expr]:
+    """floor((sum c_i r_i) / b) when the terms split cleanly at b (mesh digits)."""
+    if not a.free_symbols:
+      return sympy.Integer(int(a) // b)
+    poly = sympy.Poly(a, *self.bounds)
+    if poly.total_degree() > 1 or int(poly.coeff_monomial(1)) != 0:
+      return None
+    high, low_max = sympy.Integer(0), 0
+    for s, (_, top) in self.bounds.items():
+      c = int(poly.coeff_monomial(s))
+      if c % b == 0:
+        high += (c // b) * s
+      elif c > 0:
+        low_max += c * top
+      else:
+        return None
+    return high if low_max < b else None
+
+  def _table_lookup(self, op: ir.Op) -> Optional[sympy.Expr]:
+    """``constant_table[index]``: GSPMD's per-partition offset tables."""
+    if op.name != "dynamic_slice":
+      return None
+    table_v, *indices = op.operands
+    if table_v.producer is None or table_v.producer.name != "constant" or len(indices) != 1:
+      return None
+    table = np.asarray(table_v.producer.attrs["value"]).reshape(-1)
+    idx = self.value(indices[0])
+    if idx is None or table.dtype.kind not in "iu":
+      return None
+    if len(table) == 1:
+      return sympy.Integer(int(table[0]))
+    step = int(table[1]) - int(table[0])
+    if not np.array_equal(table, table[0] + step * np.arange(len(table))):
+      return None
+    rng = self.range_of(idx)
+    if rng is None or rng[0] < 0 or rng[1] >= len(table):
+      return None
+    return sympy.expand(int(table[0]) + step * idx)

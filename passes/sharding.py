@@ -1,0 +1,285 @@
+"""Canonicalize sharding annotations into Layouts over one named mesh.
+
+Two sources:
+  * Shardy: ``#sdy.sharding<@mesh, [{"tp"}, {}]>`` names mesh axes directly.
+  * GSPMD strings on per-device modules: ``{devices=[1,4]<=[4]}``,
+    ``{devices=[2,1,2]<=[4] last_tile_dim_replicate}``, ``{replicated}``.  These
+    tile dimensions by *device lists*, not named axes, so we first infer a mesh
+    of "atomic" axes whose mixed-radix digits spell every device list used in
+    the module (``infer_mesh``), then read each sharding off that mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from graphguard_hlo.errors import InputError
+from graphguard_hlo.ir import Mesh, SdySharding
+from graphguard_hlo.passes.layout import Layout
+
+
+class ShardingError(ValueError):
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class HloSharding:
+  """A parsed GSPMD sharding string."""
+  kind: str                                  # "replicated" | "tiled" | "maximal" | "manual"
+  tile_dims: tuple[int, ...] = ()            # includes the trailing replicate dim, if any
+  reshape_dims: tuple[int, ...] = ()         # iota form: devices = iota(reshape).T(perm)
+  perm: tuple[int, ...] = ()
+  explicit: Optional[tuple[int, ...]] = None  # explicit device list
+  replicate_last: bool = False
+  unreduced_last: bool = False               # last_tile_dims={..., unreduced} (partial sums)
+
+  def device_array(self) -> np.ndarray:
+    n = math.prod(self.tile_dims)
+    if self.explicit is not None:
+      return np.array(self.explicit).reshape(self.tile_dims)
+    dims = self.reshape_dims or (n,)
+    perm = self.perm or tuple(range(len(dims)))
+    return np.arange(n).reshape(dims).transpose(perm).reshape(self.tile_dims)
+
+  @property
+  def data_rank(self) -> int:
+    extra = int(self.replicate_last) + int(self.unreduced_last)
+    return len(self.tile_dims) - extra
+
+
+_TILED = re.compile(
+    r"devices=\[([\d,]+)\]"
+    r"(?:<=\[([\d,]+)\](?:T\(([\d,]+)\))?|([\d,]+))"
+    r"(.*)$")
+
+
+def parse_hlo_sharding(text: str) -> HloSharding | list[HloSharding]:
+  """Parse ``{...}``; tuple shardings ``{{...}, {...}}`` give a list."""
+  s = text.strip()
+  if s.startswith("{{") or (s.startswith("{") and s[1:].lstrip().startswith("{")):
+    inner = s[1:-1]
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(inner):
+      if ch == "{":
+        depth += 1
+      elif ch == "}":
+        depth -= 1
+      elif ch == "," and depth == 0:
+        parts.append(inner[start:i])
+        start = i + 1
+    parts.append(inner[start:])
+    return [parse_hlo_sharding(p) for p in parts if p.strip()]  # type: ignore[misc]
+  body = s.strip("{}").strip()
+  if body in ("replicated", ""):
+    return HloSharding("replicated")
+  if body.startswith("maximal"):
+    return HloSharding("maximal")
+  if body.startswith("manual"):
+    return HloSharding("manual")
+  m = _TILED.match(body)
+  if not m:
+    raise ShardingError(f"unrecognized sharding {text!r}")
+  tile = tuple(int(x) for x in m.group(1).split(","))
+  reshape = tuple(int(x) for x in m.group(2).split(",")) if m.group(2) else ()
+  perm = tuple(int(x) for x in m.group(3).split(",")) if m.group(3) else ()
+  explicit = tuple(int(x) for x in m.group(4).split(",")) if m.group(4) else None
+  rest = m.group(5)
+  replicate_last = "last_tile_dim_replicate" in rest
+  unreduced = False
+  lt = re.search(r"last_tile_dims=\{([^}]*)\}", rest)
+  if lt:
+    kinds = [k.strip() for k in lt.group(1).split(",")]
+    replicate_last = "replicated" in kinds
+    unreduced = "unreduced" in kinds
+    if "manual" in kinds:
+      raise ShardingError(f"partially manual sharding {text!r} is not supported")
+    if len(kinds) > 1 and not (replicate_last and unreduced and len(kinds) == 2):
+      raise ShardingError(f"sharding {text!r}: last_tile_dims {kinds} not supported")
+  if explicit is not None and len(explicit) != math.prod(tile):
+    raise ShardingError(f"sharding {text!r}: {len(explicit)} devices for {math.prod(tile)} tiles")
+  return HloSharding("tiled", tile, reshape, perm, explicit, replicate_last, unreduced)
+
+
+# -- meshes ------------------------------------------------------------------------
+
+def _digits(sh: HloSharding) -> list[list[tuple[int, int]]]:
+  """For each tile dim, its mixed-radix digits (size, stride) in device-id space."""
+  n = math.prod(sh.tile_dims)
+  if sh.explicit is not None:
+    if tuple(sh.explicit) != tuple(range(n)):
+      raise ShardingError("explicit non-iota device lists are not supported")
+    reshape, perm = (n,), (0,)
+  else:
+    reshape = sh.reshape_dims or (n,)
+    perm = sh.perm or tuple(range(len(reshape)))
+  strides = [math.prod(reshape[i + 1:]) for i in range(len(reshape))]
+  digits = [(reshape[p], strides[p]) for p in perm if reshape[p] > 1]
+  out: list[list[tuple[int, int]]] = []
+  for t in sh.tile_dims:
+    mine: list[tuple[int, int]] = []
+    need = t
+    while need > 1:
+      if not digits:
+        raise ShardingError("tile dims do not match the device list")
+      size, stride = digits[0]
+      if size <= need:
+        if need % size:
+          raise ShardingError("tile dims do not divide the device list")
+        mine.append((size, stride))
+        digits.pop(0)
+        need //= size
+      else:
+        if size % need:
+          raise ShardingError("tile dims do not divide the device list")
+        mine.append((need, stride * (size // need)))
+        digits[0] = (size // need, stride)
+        need = 1
+    out.append(mine)
+  return out
+
+
+def infer_mesh(shardings: Iterable[HloSharding], num_devices: int,
+               extra_groups: Iterable[Sequence[Sequence[int]]] = ()) -> Mesh:
+  """The coarsest mesh of atomic axes whose digits spell every sharding's tiles.
+
+  Axes are named ``a0, a1, ...`` major to minor, device id = mixed radix of
+  the coordinates (iota device order).  Replica groups add their strides too.
+  """
+  cuts = {1, num_devices}
+  for sh in shardings:
+    if sh.kind != "tiled":
+      continue
+    for dim_digits in _digits(sh):
+      for size, stride in dim_digits:
+        cuts.update((stride, stride * size))
+  for groups in extra_groups:
+    for g in groups:
+      for a, b in zip(g, g[1:]):
+        step = abs(b - a)
+        if step and num_devices % step == 0:
+          cuts.add(step)
+  ordered = sorted(c for c in cuts if num_devices % c == 0)
+  for lo, hi in zip(ordered, ordered[1:]):
+    if hi % lo:
+      raise ShardingError(f"device lists cannot be spelled on one mesh (strides {lo}, {hi})")
+  axes = []
+  for lo, hi in zip(ordered, ordered[1:]):
+    axes.append(hi // lo)
+  axes.reverse()  # major to minor
+  return Mesh(tuple((f"a{i}", s) for i, s in enumerate(axes)))
+
+
+def _axis_strides(mesh: Mesh) -> dict[int, str]:
+  """Stride in device-id space of each axis (iota meshes only)."""
+  out = {}
+  stride = 1
+  for name, size in reversed(mesh.axes):
+    out[stride] = name
+    stride *= size
+  return out
+
+
+def layout_from_hlo_sharding(sh: HloSharding, mesh: Mesh, rank: int) -> Layout:
+  if sh.kind == "replicated":
+    return Layout.replicated(rank)
+  if sh.kind != "tiled":
+    raise ShardingError(f"{sh.kind} sharding is not supported")
+  if sh.data_rank != rank:
+    raise ShardingError(f"sharding has {sh.data_rank} tiled dims for a rank-{rank} tensor")
+  by_stride = _axis_strides(mesh)
+  sizes = dict(mesh.axes)
+  dims: list[tuple[str, ...]] = []
+  partial: list[str] = []
+  for i, dim_digits in enumerate(_digits(sh)):
+    axes: list[str] = []
+    for size, stride in dim_digits:
+      # A digit may span several atomic axes: walk them major to minor.
+      covered = []
+      s, remaining = stride, size
+      while remaining > 1:
+        name = by_stride.get(s)
+        if name is None:
+          raise ShardingError("sharding does not align with the inferred mesh")
+        covered.append(name)
+        remaining //= sizes[name]
+        s *= sizes[name]
+      axes.extend(reversed(covered))
+    if i < sh.data_rank:
+      dims.append(tuple(axes))
+    elif sh.unreduced_last and (i == len(sh.tile_dims) - 1):
+      partial.extend(axes)
+  return Layout(tuple(dims), tuple(partial))
+
+
+def layout_from_sdy(sh: SdySharding, rank: int) -> Layout:
+  if len(sh.dims) != rank:
+    raise ShardingError(f"sharding {sh} has {len(sh.dims)} dims for a rank-{rank} tensor")
+  return Layout(tuple(tuple(d) for d in sh.dims), tuple(sh.unreduced))
+
+
+def group_axes(groups: Sequence[Sequence[int]], mesh: Mesh) -> Optional[tuple[str, ...]]:
+  """The mesh axes a collective's replica groups run over, major to minor.
+
+  ``None`` when the groups are not exactly "all devices that differ only on
+  these axes", or when a group lists its devices in another order (which would
+  concatenate shards out of order).
+  """
+  devices = mesh.devices()
+  coord_of = {int(d): idx for idx, d in np.ndenumerate(devices)}
+  names = mesh.axis_names
+  axes_seen: Optional[tuple[str, ...]] = None
+  covered = set()
+  for g in groups:
+    if any(d not in coord_of for d in g):
+      return None
+    coords = np.array([coord_of[d] for d in g]).reshape(len(g), -1)
+    varying = tuple(n for i, n in enumerate(names) if len(set(coords[:, i])) > 1)
+    if axes_seen is None:
+      axes_seen = varying
+    elif varying != axes_seen:
+      return None
+    sizes = [mesh.axis_size(a) for a in varying]
+    if len(g) != math.prod(sizes):
+      return None
+    # Must enumerate the axes in row-major order.
+    idx = [names.index(a) for a in varying]
+    expect = sorted(range(len(g)), key=lambda k: tuple(coords[k, i] for i in idx))
+    if expect != list(range(len(g))):
+      return None
+    covered.update(g)
+  if len(covered) != mesh.size:
+    return None
+  return axes_seen or ()
+
+
+def axes_of_pairs(pairs: Sequence[tuple[int, int]], mesh: Mesh
+                  ) -> Optional[tuple[str, dict[int, int]]]:
+  """A collective-permute as a permutation of one axis' coordinates, if it is one."""
+  devices = mesh.devices()
+  coord_of = {int(d): idx for idx, d in np.ndenumerate(devices)}
+  names = mesh.axis_names
+  axis = None
+  perm: dict[int, int] = {}
+  for src, dst in pairs:
+    a, b = coord_of.get(src), coord_of.get(dst)
+    if a is None or b is None:
+      return None
+    diff = [i for i in range(len(names)) if a[i] != b[i]]
+    if len(diff) > 1:
+      return None
+    if diff:
+      if axis is None:
+        axis = diff[0]
+      elif axis != diff[0]:
+        return None
+      if perm.get(a[axis], b[axis]) != b[axis]:
+        return None
+      perm[a[axis]] = b[axis]
+  if axis is None:
+    return None
+  return names[axis], perm

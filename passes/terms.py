@@ -1,0 +1,88 @@
+"""How ops become e-nodes: the identity of an op is its name, its semantic
+attributes, its result type and (for ops with bodies) the shape of its regions.
+
+Both the per-device program and the terms that lemmas propose are spelled with
+``op_head``, so a lemma's proposed local op finds the distributed op that
+computes it by a hash-cons lookup.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional
+
+import numpy as np
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes.collectives import reducer_kind
+
+# Attributes that do not change what an op computes.
+_NON_SEMANTIC = {"channel_handle", "precision_config", "precision", "result_accuracy",
+                 "mhlo.sharding", "mhlo.frontend_attributes", "sdy.sharding",
+                 "algorithm", "metadata", "backend_config", "operand_layouts",
+                 "result_layouts", "mhlo.sharding_rule", "sdy.sharding_rule",
+                 "use_global_device_ids", "gg.permutation"}
+
+COMMUTATIVE = {"add", "multiply", "maximum", "minimum", "and", "or", "xor"}
+
+
+def freeze(value: Any) -> Hashable:
+  if isinstance(value, dict):
+    return tuple(sorted((k, freeze(v)) for k, v in value.items()))
+  if isinstance(value, (list, tuple)):
+    return tuple(freeze(v) for v in value)
+  if isinstance(value, np.ndarray):
+    return ("array", value.shape, str(value.dtype), value.tobytes())
+  if isinstance(value, ir.Graph):
+    return region_fingerprint(value)
+  return value
+
+
+def attrs_key(attrs: dict[str, Any]) -> Hashable:
+  return tuple(sorted((k, freeze(v)) for k, v in attrs.items() if k not in _NON_SEMANTIC))
+
+
+def region_fingerprint(g: ir.Graph) -> Hashable:
+  """A structural hash of a region: equal for alpha-equivalent bodies."""
+  kind = reducer_kind(g)
+  if kind is not None:
+    return ("reducer", kind, tuple(p.type for p in g.params))
+  index: dict[int, tuple] = {id(p): ("arg", i) for i, p in enumerate(g.params)}
+  ops = []
+  for j, op in enumerate(g.ops):
+    operands = tuple(index.get(id(v), ("free", v.id)) for v in op.operands)
+    ops.append((op.name, attrs_key(op.attrs), operands, tuple(r.type for r in op.results),
+                tuple(region_fingerprint(r) for r in op.regions)))
+    for k, r in enumerate(op.results):
+      index[id(r)] = ("op", j, k)
+  return ("region", tuple(p.type for p in g.params), tuple(ops),
+          tuple(index.get(id(v), ("free", v.id)) for v in g.results))
+
+
+def op_head(name: str, attrs: dict[str, Any], result_type: ir.TensorType,
+            regions: tuple = (), result_index: int = 0) -> Hashable:
+  return (name, attrs_key(attrs), result_type,
+          tuple(region_fingerprint(r) if isinstance(r, ir.Graph) else r for r in regions),
+          result_index)
+
+
+def splat_value(v: ir.Value) -> Optional[float]:
+  """The scalar a value is filled with, if it is a constant splat (through
+  broadcasts, reshapes and converts)."""
+  op = v.producer
+  while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert", "copy"):
+    if op.name == "convert" and (v.type.dtype.startswith("i") or v.type.dtype == "pred"):
+      break
+    op = op.operands[0].producer
+  if op is None or op.name != "constant":
+    return None
+  arr = np.asarray(op.attrs["value"])
+  if arr.size == 0:
+    return None
+  flat = arr.reshape(-1)
+  if arr.size > 1 and not np.all(flat == flat[0]):
+    return None
+  return float(flat[0])
+
+
+def splat_head(value: float, type: ir.TensorType) -> Hashable:
+  return ("splat", value, type)

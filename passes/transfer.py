@@ -1,0 +1,224 @@
+"""Transfer rules: how the per-device program's own data movement changes a
+relation, without any sequential op.
+
+If ``s ~ L of d`` and the per-device program computes ``d' = g(d)`` for a
+collective or a rank-dependent slice ``g``, then ``s ~ L' of d'``:
+
+  all-reduce over X       sum[X](...) becomes a replica; a replica summed over
+                          X becomes |X| times itself (scale 1/|X|)
+  all-gather over X, k    concat over X along k is undone (X minor on dim k)
+  reduce-scatter X, k     a partial sum over X becomes a tile along k
+  all-to-all X, i -> j    the tile over X moves from dim j to dim i
+  collective-permute      a replica stays a replica if every rank receives
+  dynamic-slice at r*k    a replica becomes a tile (offsets proved by sympy)
+  multiply/divide by c    the scale changes by 1/c or c
+
+Each rule is tested numerically (``tests/test_transfer.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import sympy
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes import terms
+from graphguard_hlo.passes.dist_egraph import DistEGraph
+from graphguard_hlo.passes.layout import Layout
+from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
+
+
+class Transfer:
+  def __init__(self, deg: DistEGraph, arith: RankArithmetic, mesh: ir.Mesh, graph: ir.Graph):
+    self.deg = deg
+    self.arith = arith
+    self.mesh = mesh
+    # Per-device `add(iota, offset)`: the candidates for tiles of a sequential iota.
+    self._iota_adds = [
+        op for op in graph.ops
+        if op.name == "add" and any(v.producer is not None and v.producer.name == "iota"
+                                    for v in op.operands)]
+
+  def apply(self, op: ir.Op, cls: int, layout: Layout) -> Iterator[tuple[int, Layout, str]]:
+    rule = getattr(self, f"_{op.name}", None)
+    if rule is None or not op.results:
+      return
+    for new in rule(op, cls, layout) or ():
+      if new is not None and new.is_valid():
+        yield self.deg.of(op.results[0]), new, op.name.replace("_", "-")
+
+  # -- collectives -------------------------------------------------------------
+  def _all_reduce(self, op, cls, l: Layout):
+    axes, kind = op.attrs.get("gg.axes"), op.attrs.get("gg.reduction")
+    if axes is None or kind is None or len(op.operands) != 1:
+      return
+    partial = set(l.partial)
+    scale = l.scale
+    for a in axes:
+      if a in partial:
+        if kind != l.partial_kind:
+          return
+        partial.discard(a)
+      elif a in l.split_axes():
+        return  # summing different tiles: no clean relation
+      elif kind == "sum":
+        scale /= self.mesh.axis_size(a)  # n identical copies summed
+      elif kind == "mul":
+        return
+    yield l.with_(partial=tuple(partial), scale=scale)
+
+  def _all_gather(self, op, cls, l: Layout):
+    axes, k = op.attrs.get("gg.axes"), op.attrs.get("all_gather_dimension")
+    if not axes or k is None or set(axes) & set(l.partial):
+      return
+    have = l.dims[k]
+    if have[len(have) - len(axes):] != tuple(axes):
+      return
+    dims = list(l.dims)
+    dims[k] = have[:len(have) - len(axes)]
+    yield l.with_(dims=tuple(dims))
+
+  def _reduce_scatter(self, op, cls, l: Layout):
+    axes, k = op.attrs.get("gg.axes"), op.attrs.get("scatter_dimension")
+    if not axes or k is None or op.attrs.get("gg.reduction") != "sum":
+      return
+    partial, scale = set(l.partial), l.scale
+    for a in axes:
+      if a in partial and l.partial_kind == "sum":
+        partial.discard(a)
+      elif a not in l.used_axes():
+        scale /= self.mesh.axis_size(a)
+      else:
+        return
+    dims = list(l.dims)
+    dims[k] = dims[k] + tuple(axes)
+    yield l.with_(dims=tuple(dims), partial=tuple(partial), scale=scale)
+
+  def _all_to_all(self, op, cls, l: Layout):
+    axes = op.attrs.get("gg.axes")
+    i, j = op.attrs.get("split_dimension"), op.attrs.get("concat_dimension")
+    if not axes or i is None or j is None or set(axes) & set(l.partial):
+      return
+    have = l.dims[j]
+    if have[len(have) - len(axes):] != tuple(axes):
+      return
+    dims = list(l.dims)
+    dims[j] = have[:len(have) - len(axes)]
+    dims[i] = dims[i] + tuple(axes)
+    yield l.with_(dims=tuple(dims))
+
+  def _collective_permute(self, op, cls, l: Layout):
+    axes, perm = op.attrs.get("gg.axes"), op.attrs.get("gg.permutation")
+    if not axes or perm is None:
+      return
+    (axis,) = axes
+    receivers = {dst for _, dst in perm}
+    if axis in l.used_axes() or len(receivers) != self.mesh.axis_size(axis):
+      return  # a tile moved to another rank, or some rank receives zeros
+    yield l
+
+  # -- rank-dependent slicing ------------------------------------------------------
+  def _dynamic_slice(self, op, cls, l: Layout):
+    operand, *offsets = op.operands
+    if self.deg.of(operand) != cls:
+      return
+    sizes = op.attrs["slice_sizes"]
+    dims = list(l.dims)
+    used = set(l.used_axes())
+    for k, (off_v, size) in enumerate(zip(offsets, sizes)):
+      if size == operand.shape[k]:
+        continue
+      expr = self.arith.value(off_v)
+      if expr is None:
+        return
+      axes = self.tile_axes(expr, size, used)
+      if axes is None or operand.shape[k] != size * math.prod(
+          self.mesh.axis_size(a) for a in axes):
+        return
+      dims[k] = dims[k] + axes
+      used |= set(axes)
+    yield l.with_(dims=tuple(dims))
+
+  def _multiply(self, op, cls, l: Layout):
+    c = self._splat_operand(op, cls)
+    if c:
+      yield l.scaled(1.0 / c)
+
+  def _divide(self, op, cls, l: Layout):
+    if self.deg.of(op.operands[0]) == cls:
+      c = self._splat_operand(op, cls)
+      if c:
+        yield l.scaled(c)
+
+  def _splat_operand(self, op, cls) -> Optional[float]:
+    if len(op.operands) != 2 or not op.results[0].type.dtype.startswith(("f", "bf")):
+      return None
+    a, b = op.operands
+    other = b if self.deg.of(a) == cls else a
+    if self.deg.of(other) == cls:
+      return None
+    return terms.splat_value(other)
+
+  # -- helpers -------------------------------------------------------------------
+  def tile_axes(self, expr: sympy.Expr, size: int, used: set[str]) -> Optional[tuple[str, ...]]:
+    """The axes X with ``expr == tile_index(X) * size``, major to minor, if any."""
+    expr = sympy.expand(expr)
+    if expr == 0:
+      return None
+    try:
+      poly = sympy.Poly(expr, *self.arith.bounds)
+    except sympy.PolynomialError:
+      return None
+    if poly.total_degree() != 1 or poly.coeff_monomial(1) != 0:
+      return None
+    coeffs = {}
+    for name, n in self.mesh.axes:
+      c = int(poly.coeff_monomial(rank_symbol(name)))
+      if c:
+        if name in used or n == 1:
+          return None
+        coeffs[name] = c
+    order = sorted(coeffs, key=lambda a: -coeffs[a])
+    stride = size
+    for a in reversed(order):
+      if coeffs[a] != stride:
+        return None
+      stride *= self.mesh.axis_size(a)
+    return tuple(order)
+
+  def offset_iotas(self, seq_type: ir.TensorType, attrs: dict
+                   ) -> Iterator[tuple[int, Layout]]:
+    """Per-device ``iota(k) + r*n`` that tile the sequential ``iota(k)`` (positions)."""
+    k = attrs["iota_dimension"]
+    for op in self._iota_adds:
+      iota_v, off_v = op.operands
+      if iota_v.producer is None or iota_v.producer.name != "iota":
+        iota_v, off_v = off_v, iota_v
+      if iota_v.producer.attrs.get("iota_dimension") != k or op.results[0].type.dtype != seq_type.dtype:
+        continue
+      local = op.results[0].type.shape
+      if len(local) != len(seq_type.shape):
+        continue
+      expr = self._broadcast_scalar(off_v)
+      if expr is None:
+        continue
+      axes = self.tile_axes(expr, local[k], set())
+      if axes is None:
+        continue
+      dims: list[tuple[str, ...]] = [() for _ in local]
+      dims[k] = axes
+      if local[k] * math.prod(self.mesh.axis_size(a) for a in axes) != seq_type.shape[k]:
+        continue
+      if any(local[d] != seq_type.shape[d] for d in range(len(local)) if d != k):
+        continue
+      yield self.deg.of(op.results[0]), Layout(tuple(dims))
+
+  def _broadcast_scalar(self, v: ir.Value) -> Optional[sympy.Expr]:
+    op = v.producer
+    while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert") and \
+        math.prod(op.operands[0].shape) == 1:
+      v = op.operands[0]
+      op = v.producer
+    return self.arith.value(v)

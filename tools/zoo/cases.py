@@ -1,0 +1,452 @@
+"""(sequential, distributed) program pairs, correct and with seeded bugs.
+
+Every program is written once as a plain sequential function over global
+arrays.  Its distributed versions are:
+
+  * ``shard_map``: a per-device function with hand-written collectives.  The
+    local function usually reuses the sequential building blocks (they are
+    written shape-generically) so that a seeded bug is the *only* difference
+    between a correct and a buggy variant.
+  * ``gspmd``: the sequential function itself, jitted with in/out shardings, so
+    XLA's partitioner chooses the collectives.  Bugs are never seeded here:
+    there are no hand-written collectives to get wrong.
+
+``Case.bug_primitive`` names the jax primitive of the first sequential op (in
+jaxpr order) whose value the buggy program no longer computes in any sharded
+form (sliced, replicated or as an unreduced partial sum), or ``"output"`` when
+every intermediate is right and only the returned value is off.  A static
+checker that localises a refinement failure should point at that op.
+
+Cases are built lazily (``all_cases()``), because meshes need the 8 fake CPU
+devices that ``tests/conftest.py`` asks XLA for before jax starts.
+
+Meshes are built with ``Mesh(devices, names)`` rather than ``jax.make_mesh``:
+the latter defaults to Explicit axis types, under which GSPMD matmuls of
+sharded operands need explicit ``out_sharding`` and fail to trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax, shard_map
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+F32 = jnp.float32
+EPS = 1e-6
+HEAD_DIM = 8
+
+
+@dataclasses.dataclass
+class Case:
+  name: str                 # "<program>/<style>/<variant>", variant "ok" if correct
+  seq_fn: Callable
+  dist_fn: Callable
+  seq_args: list            # jax.ShapeDtypeStruct, no sharding
+  dist_args: list           # jax.ShapeDtypeStruct with a NamedSharding
+  mesh: Mesh
+  style: str                # "shard_map" | "gspmd"
+  bug: Optional[str]
+  bug_primitive: Optional[str]
+  out_shardings: Any = None
+  in_shardings: Any = None
+
+  @property
+  def program(self) -> str:
+    return self.name.split("/")[0]
+
+
+# --------------------------------------------------------------------------
+# Sequential building blocks.  Written shape-generically so the same code is
+# the per-device body of the shard_map versions (with local shapes).
+# --------------------------------------------------------------------------
+
+
+def _mlp_partial(x, w1, b1, w2):
+  """tanh(x @ w1 + b1) @ w2: an unreduced partial sum when w1 is column- and
+  w2 row-sharded, the full product when they are not."""
+  return jnp.tanh(x @ w1 + b1) @ w2
+
+
+def mlp_seq(x, w1, b1, w2, b2):
+  """The Megatron MLP block, y = tanh(x @ w1 + b1) @ w2 + b2."""
+  return _mlp_partial(x, w1, b1, w2) + b2
+
+
+def mlp2_seq(x, w1, w2, w3, w4):
+  """Two bias-free MLP blocks with a gelu in between, so that a missing
+  all-reduce after the first block feeds a nonlinearity."""
+  z = jnp.tanh(x @ w1) @ w2
+  return jnp.tanh(jax.nn.gelu(z) @ w3) @ w4
+
+
+def _attention_partial(x, wq, wk, wv, wo):
+  """Causal multi-head attention up to (excluding) the output bias.
+
+  The head count is read off ``wq``'s width, so with column-sharded q/k/v
+  weights each device runs its own heads and ``@ wo`` (row-sharded) yields a
+  partial sum over heads."""
+  s = x.shape[0]
+  heads = wq.shape[1] // HEAD_DIM
+  q = (x @ wq).reshape(s, heads, HEAD_DIM)
+  k = (x @ wk).reshape(s, heads, HEAD_DIM)
+  v = (x @ wv).reshape(s, heads, HEAD_DIM)
+  scores = jnp.einsum("shd,thd->hst", q, k) / np.float32(np.sqrt(HEAD_DIM))
+  causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+  scores = jnp.where(causal, scores, np.float32(-1e9))
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("hst,thd->shd", probs, v).reshape(s, heads * HEAD_DIM)
+  return out @ wo
+
+
+def attention_seq(x, wq, wk, wv, wo, bo):
+  return _attention_partial(x, wq, wk, wv, wo) + bo
+
+
+def _rmsnorm(h, scale):
+  ms = jnp.mean(h * h, axis=-1, keepdims=True)
+  return h * lax.rsqrt(ms + EPS) * scale
+
+
+def rmsnorm_seq(x, pos, scale):
+  """RMSNorm of x plus a positional embedding.  The embedding makes the result
+  depend on *which* rows a device holds, so a permutation of shards shows up
+  in the values, not just in their placement."""
+  return _rmsnorm(x + pos, scale)
+
+
+def layernorm_seq(x, scale, bias):
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  centred = x - mean
+  var = jnp.mean(centred * centred, axis=-1, keepdims=True)
+  return centred * lax.rsqrt(var + EPS) * scale + bias
+
+
+def _rope(x, pos):
+  """Rotary embedding of x [seq, hidden] at float positions pos [seq]."""
+  half = x.shape[-1] // 2
+  inv_freq = 1.0 / (10000.0 ** (jnp.arange(half, dtype=F32) / half))
+  angle = pos[:, None] * inv_freq[None, :]
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  x1, x2 = x[:, :half], x[:, half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def rope_seq(x):
+  return _rope(x, jnp.arange(x.shape[0], dtype=F32))
+
+
+def mse_seq(x, w, y):
+  return jnp.mean((x @ w - y) ** 2)
+
+
+# --------------------------------------------------------------------------
+# Per-device bodies for shard_map.  Each factory takes the knob a bug turns.
+# --------------------------------------------------------------------------
+
+
+def _identity(v):
+  return v
+
+
+def _psum(axis):
+  return lambda v: lax.psum(v, axis)
+
+
+def _pmean(axis):
+  return lambda v: lax.pmean(v, axis)
+
+
+def _tp_mlp_local(reduce):
+  """Megatron MLP: partial product, all-reduce, then the (replicated) b2."""
+  def local(x, w1, b1, w2, b2):
+    return reduce(_mlp_partial(x, w1, b1, w2)) + b2
+  return local
+
+
+def _tp_mlp2_local(first_reduce):
+  def local(x, w1, w2, w3, w4):
+    z = first_reduce(jnp.tanh(x @ w1) @ w2)
+    return lax.psum(jnp.tanh(jax.nn.gelu(z) @ w3) @ w4, "tp")
+  return local
+
+
+def _tp_attention_local(reduce):
+  def local(x, wq, wk, wv, wo, bo):
+    return reduce(_attention_partial(x, wq, wk, wv, wo)) + bo
+  return local
+
+
+def _swap_neighbours(axis, n):
+  """ppermute that exchanges the shards of ranks (0,1), (2,3), ..."""
+  perm = [(i, i ^ 1) for i in range(n)]
+  return lambda v: lax.ppermute(v, axis, perm)
+
+
+def _sp_rmsnorm_local(prepare):
+  def local(x, pos, scale):
+    return _rmsnorm(prepare(x) + pos, scale)
+  return local
+
+
+def _sp_layernorm_local(x, scale, bias):
+  """A per-token norm needs no communication when tokens are sharded."""
+  return layernorm_seq(x, scale, bias)
+
+
+def _sp_rope_local(with_offset):
+  def local(x):
+    n = x.shape[0]
+    pos = jnp.arange(n, dtype=F32)
+    if with_offset:
+      pos = pos + (lax.axis_index("sp") * n).astype(F32)
+    return _rope(x, pos)
+  return local
+
+
+def _dp_loss_local_mean(combine):
+  """Local mean over this device's batch shard, then a cross-replica combine."""
+  def local(x, w, y):
+    return combine(mse_seq(x, w, y))
+  return local
+
+
+def _dp_loss_local_sum(x, w, y):
+  """Local sum, psum, divide by the *global* element count."""
+  global_count = x.shape[0] * lax.axis_size("dp") * y.shape[1]
+  return lax.psum(jnp.sum((x @ w - y) ** 2), "dp") / global_count
+
+
+def _dp_tp_mlp_local(reduce_axes):
+  def local(x, w1, b1, w2, b2):
+    return lax.psum(_mlp_partial(x, w1, b1, w2), reduce_axes) + b2
+  return local
+
+
+def _sp_allgather_mlp_local(gather):
+  """Korthikanti sequence parallelism: gather the sequence before the
+  column-parallel matmul, reduce-scatter it after the row-parallel one."""
+  def local(x, w1, b1, w2, b2):
+    partial = _mlp_partial(gather(x), w1, b1, w2)
+    return lax.psum_scatter(partial, "tp", scatter_dimension=0, tiled=True) + b2
+  return local
+
+
+def _gather_seq(x):
+  return lax.all_gather(x, "tp", axis=0, tiled=True)
+
+
+def _gather_hidden_then_reshape(x):
+  """The bug: gather along hidden, then reshape to the shape the seq gather
+  would have produced.  Types check; rows come out interleaved by device."""
+  s, h = x.shape
+  n = lax.axis_size("tp")
+  return lax.all_gather(x, "tp", axis=1, tiled=True).reshape(s * n, h)
+
+
+# --------------------------------------------------------------------------
+# Programs: the sequential function plus its global shapes and shardings.
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  name: str
+  seq_fn: Callable
+  shapes: tuple
+  in_specs: tuple
+  out_spec: P
+  mesh_shape: tuple
+  axis_names: tuple
+
+
+_PROGRAMS = {p.name: p for p in [
+    _Program("tp_mlp", mlp_seq,
+             ((16, 32), (32, 64), (64,), (64, 32), (32,)),
+             (P(), P(None, "tp"), P("tp"), P("tp", None), P()),
+             P(), (4,), ("tp",)),
+    _Program("tp_mlp2", mlp2_seq,
+             ((16, 32), (32, 64), (64, 32), (32, 64), (64, 32)),
+             (P(), P(None, "tp"), P("tp", None), P(None, "tp"), P("tp", None)),
+             P(), (4,), ("tp",)),
+    _Program("tp_attention", attention_seq,
+             ((16, 32), (32, 32), (32, 32), (32, 32), (32, 32), (32,)),
+             (P(), P(None, "tp"), P(None, "tp"), P(None, "tp"), P("tp", None),
+              P()),
+             P(), (4,), ("tp",)),
+    _Program("sp_rmsnorm", rmsnorm_seq,
+             ((32, 16), (32, 16), (16,)),
+             (P("sp", None), P("sp", None), P()),
+             P("sp", None), (4,), ("sp",)),
+    _Program("sp_layernorm", layernorm_seq,
+             ((32, 16), (16,), (16,)),
+             (P("sp", None), P(), P()),
+             P("sp", None), (4,), ("sp",)),
+    _Program("sp_rope", rope_seq,
+             ((32, 16),),
+             (P("sp", None),),
+             P("sp", None), (4,), ("sp",)),
+    _Program("dp_loss", mse_seq,
+             ((32, 16), (16, 8), (32, 8)),
+             (P("dp", None), P(), P("dp", None)),
+             P(), (4,), ("dp",)),
+    _Program("dp_tp_mlp", mlp_seq,
+             ((16, 32), (32, 64), (64,), (64, 32), (32,)),
+             (P("dp", None), P(None, "tp"), P("tp"), P("tp", None), P()),
+             P("dp", None), (2, 4), ("dp", "tp")),
+    _Program("sp_allgather_mlp", mlp_seq,
+             ((32, 32), (32, 64), (64,), (64, 32), (32,)),
+             (P("tp", None), P(None, "tp"), P("tp"), P("tp", None), P()),
+             P("tp", None), (4,), ("tp",)),
+]}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Variant:
+  """One shard_map body of a program; ``bug`` None means correct."""
+  program: str
+  local_fn: Callable
+  variant: str = "ok"
+  bug: Optional[str] = None
+  bug_primitive: Optional[str] = None
+  # The vma checker rejects a body whose output varies over an axis that
+  # out_specs says is replicated; a missing all-reduce does exactly that, so
+  # those bugs switch it off (as their authors would have had to).
+  check_vma: bool = True
+
+
+def _variants() -> list[_Variant]:
+  V = _Variant
+  return [
+      V("tp_mlp", _tp_mlp_local(_psum("tp"))),
+      V("tp_mlp", _tp_mlp_local(_identity), "missing_allreduce",
+        "missing_allreduce", "add", check_vma=False),
+      V("tp_mlp", _tp_mlp_local(_pmean("tp")), "pmean_not_psum",
+        "pmean_not_psum", "add"),
+      V("tp_mlp2", _tp_mlp2_local(_psum("tp"))),
+      # gelu's first primitive is integer_pow (x ** 3), applied to a partial sum.
+      V("tp_mlp2", _tp_mlp2_local(_identity), "missing_allreduce",
+        "missing_allreduce", "integer_pow"),
+      V("tp_attention", _tp_attention_local(_psum("tp"))),
+      V("tp_attention", _tp_attention_local(_identity), "missing_allreduce",
+        "missing_allreduce", "add", check_vma=False),
+      V("sp_rmsnorm", _sp_rmsnorm_local(_identity)),
+      V("sp_rmsnorm", _sp_rmsnorm_local(_swap_neighbours("sp", 4)),
+        "swapped_shards", "swapped_shards", "add"),
+      V("sp_layernorm", _sp_layernorm_local),
+      V("sp_rope", _sp_rope_local(with_offset=True)),
+      # Every device uses positions 0..n-1: the sequential position iota is
+      # the first value no device holds its slice of (except device 0).
+      V("sp_rope", _sp_rope_local(with_offset=False), "rope_no_offset",
+        "rope_no_offset", "iota"),
+      V("dp_loss", _dp_loss_local_mean(_pmean("dp"))),
+      V("dp_loss", _dp_loss_local_sum, "ok_psum_then_divide"),
+      # Sum of local means = n * global mean.  Every earlier value (x @ w, the
+      # residual, its square, the local sums as partials) is right; only the
+      # mean's division, the last sequential op, whose result *is* the output,
+      # is off by n.  A per-op checker may equally blame that "div".
+      V("dp_loss", _dp_loss_local_mean(_psum("dp")), "psum_not_pmean",
+        "psum_not_pmean", "output"),
+      V("dp_tp_mlp", _dp_tp_mlp_local("tp")),
+      V("dp_tp_mlp", _dp_tp_mlp_local("dp"), "wrong_replica_groups",
+        "wrong_replica_groups", "add", check_vma=False),
+      V("dp_tp_mlp", _dp_tp_mlp_local(("dp", "tp")),
+        "wrong_replica_groups_both", "wrong_replica_groups", "add"),
+      V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_seq)),
+      # Rows reach x @ w1 permuted, so the first matmul is already wrong.
+      V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_hidden_then_reshape),
+        "wrong_gather_dim", "wrong_gather_dim", "dot_general"),
+  ]
+
+
+# Programs whose GSPMD version is omitted, with the reason.  (Empty: every
+# program here is a plain function of sharded inputs, which is all GSPMD needs.)
+NO_GSPMD: dict[str, str] = {}
+
+
+# --------------------------------------------------------------------------
+# Case construction.
+# --------------------------------------------------------------------------
+
+
+@functools.cache
+def _mesh(shape: tuple, names: tuple) -> Mesh:
+  n = int(np.prod(shape))
+  devices = jax.devices()
+  if len(devices) < n:
+    raise RuntimeError(
+        f"need {n} devices, have {len(devices)}: set XLA_FLAGS="
+        "--xla_force_host_platform_device_count=8 before importing jax")
+  return Mesh(np.array(devices[:n]).reshape(shape), names)
+
+
+def _args(prog: _Program, mesh: Mesh | None) -> list:
+  if mesh is None:
+    return [jax.ShapeDtypeStruct(s, F32) for s in prog.shapes]
+  return [jax.ShapeDtypeStruct(s, F32, sharding=NamedSharding(mesh, spec))
+          for s, spec in zip(prog.shapes, prog.in_specs)]
+
+
+def _named(fn: Callable, name: str) -> Callable:
+  """A copy of fn called ``name``: jit names the lowered module after the
+  function, and ``jit_tp_mlp_missing_allreduce`` beats a dozen ``jit_local``."""
+  @functools.wraps(fn)
+  def named(*args):
+    return fn(*args)
+  named.__name__ = named.__qualname__ = name
+  return named
+
+
+def _shard_map_case(v: _Variant) -> Case:
+  prog = _PROGRAMS[v.program]
+  mesh = _mesh(prog.mesh_shape, prog.axis_names)
+  local_fn = _named(v.local_fn, f"{prog.name}_{v.variant}")
+  dist_fn = shard_map(local_fn, mesh=mesh, in_specs=prog.in_specs,
+                      out_specs=prog.out_spec, check_vma=v.check_vma)
+  return Case(name=f"{prog.name}/shard_map/{v.variant}", seq_fn=prog.seq_fn,
+              dist_fn=dist_fn, seq_args=_args(prog, None),
+              dist_args=_args(prog, mesh), mesh=mesh, style="shard_map",
+              bug=v.bug, bug_primitive=v.bug_primitive)
+
+
+def _gspmd_case(prog: _Program) -> Case:
+  mesh = _mesh(prog.mesh_shape, prog.axis_names)
+  in_shardings = tuple(NamedSharding(mesh, s) for s in prog.in_specs)
+  return Case(name=f"{prog.name}/gspmd/ok", seq_fn=prog.seq_fn,
+              dist_fn=prog.seq_fn, seq_args=_args(prog, None),
+              dist_args=_args(prog, mesh), mesh=mesh, style="gspmd",
+              bug=None, bug_primitive=None,
+              out_shardings=NamedSharding(mesh, prog.out_spec),
+              in_shardings=in_shardings)
+
+
+@functools.cache
+def _build() -> tuple[Case, ...]:
+  built = [_shard_map_case(v) for v in _variants()]
+  built += [_gspmd_case(p) for name, p in _PROGRAMS.items()
+            if name not in NO_GSPMD]
+  return tuple(built)
+
+
+def all_cases() -> list[Case]:
+  return list(_build())
+
+
+def correct_cases() -> list[Case]:
+  return [c for c in _build() if c.bug is None]
+
+
+def bug_cases() -> list[Case]:
+  return [c for c in _build() if c.bug is not None]
+
+
+def get(name: str) -> Case:
+  for c in _build():
+    if c.name == name:
+      return c
+  raise KeyError(f"no zoo case {name!r}; known: {[c.name for c in _build()]}")
