@@ -6,6 +6,8 @@ from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.dist_program import canonicalize_dist, needs_partitioning
+from graphguard_hlo.passes.canonicalize import canonicalize_module
+from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.passes.inference import Result, verify_programs
 from graphguard_hlo.passes.layout import Layout
 
@@ -17,10 +19,14 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
       with open(dist.path) as f:
         text = f.read()
     dist = partition_stablehlo_text(dist.path, text, num_partitions or dist.num_partitions)
+  inline_calls(dist)
+  canonicalize_module(dist)
   return canonicalize_dist(dist, num_partitions)
 
 
 def verify_modules(seq: ir.Module, dist: ir.Module, input_layouts: Optional[list[Layout]] = None,
                    num_partitions: Optional[int] = None) -> Result:
+  inline_calls(seq)
+  canonicalize_module(seq)
   program = prepare_dist(dist, num_partitions)
   return verify_programs(seq, program, input_layouts)

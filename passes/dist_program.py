@@ -15,6 +15,7 @@ Three kinds of DIST module reach us:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from graphguard_hlo import ir
@@ -125,6 +126,11 @@ def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:
     if len(result_sh) != len(g.results):
       result_sh = [None] * len(g.results)
     groups = [op.attrs.get("replica_groups", ()) for op in g.walk() if op.name in COLLECTIVES]
+    # HLO protos do not record the partition count: every device named counts.
+    n = max([n] + [math.prod(s.tile_dims) for s in param_sh + result_sh
+                   if s is not None and s.kind == "tiled"]
+            + [max(grp) + 1 for gs in groups for grp in gs if grp])
+    module.num_partitions = n
     mesh = shd.infer_mesh([s for s in param_sh + result_sh if s is not None], n, groups)
     param_layouts = [
         None if s is None else shd.layout_from_hlo_sharding(s, mesh, v.type.rank)

@@ -26,6 +26,7 @@ from typing import Optional
 from graphguard_hlo import ir
 from graphguard_hlo.errors import InputError
 from graphguard_hlo.passes import terms
+from graphguard_hlo.passes.canonicalize import canonical_local_op
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.dist_program import DistProgram
@@ -197,11 +198,24 @@ class RelationInference:
           children = self._children(op, combo, step)
           if children is None:
             continue
-          head = terms.op_head(op.name, step.attrs, step.result_type, tuple(op.regions), k)
-          self.lookups += 1
-          cls = self.deg.lookup(head, children)
+          cls = self._lookup_local(op, combo, step, children, k)
           if cls is not None:
             self.add_relation(result, Relation(cls, step.layout, step.lemma))
+
+  def _lookup_local(self, op: ir.Op, combo, step, children, k: int) -> Optional[int]:
+    """The e-class of the local op a lemma proposes, in the same normal form
+    the per-device program was canonicalized to."""
+    operand_types = []
+    for v, (_, layout) in zip(op.operands, combo):
+      local = layout.local_shape(v.shape, self.mesh)
+      operand_types.append(ir.TensorType(local or v.shape, v.type.dtype))
+    canon = canonical_local_op(op.name, step.attrs, operand_types, step.result_type)
+    if canon is None:
+      return children[0]
+    name, attrs = canon
+    head = terms.op_head(name, attrs, step.result_type, tuple(op.regions), k)
+    self.lookups += 1
+    return self.deg.lookup(head, children)
 
   def _scale_by_constant(self, op: ir.Op) -> None:
     """s * c and s / c relate wherever s does, with the scale adjusted."""

@@ -1,0 +1,203 @@
+"""Canonical forms for shape-only ops, applied to both programs alike.
+
+XLA's partitioner spells the same broadcast differently from jax
+(``reshape [16]->[1,16]; broadcast; reshape [1,16]->[16]; broadcast`` where
+jax wrote ``broadcast [64]->[1,64]; broadcast [1,64]->[16,64]``).  Like MLIR's
+canonicalizer, a few local patterns rewrite both graphs to one normal form
+before anything is compared:
+
+  reshape(x) to x's shape                 -> x        (also broadcast, convert, copy)
+  reshape that only inserts unit dims     -> broadcast_in_dim(x)
+  reshape(reshape(x))                     -> reshape(x)
+  reshape of a unit-dims-only broadcast   -> x, when the shape is x's
+  broadcast(broadcast(x, d1), d2)         -> broadcast(x, d2 . d1)
+
+Each is an identity of the ops' semantics (tested in tests/test_canonicalize.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from graphguard_hlo import ir
+
+Pattern = Callable[[ir.Module, ir.Graph, ir.Op], Optional[ir.Value]]
+
+
+def _identity_shape_op(module, graph, op) -> Optional[ir.Value]:
+  if op.name in ("reshape", "broadcast_in_dim", "convert", "copy") and len(op.operands) == 1:
+    x = op.operands[0]
+    if x.type == op.results[0].type:
+      if op.name != "broadcast_in_dim" or tuple(op.attrs["broadcast_dimensions"]) == tuple(
+          range(x.type.rank)):
+        return x
+  return None
+
+
+def _unit_insert_positions(src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[tuple[int, ...]]:
+  """Where src's dims land in dst if dst is src with unit dims inserted."""
+  pos, j = [], 0
+  for d in src:
+    while j < len(dst) and dst[j] == 1 and d != 1:
+      j += 1
+    if j >= len(dst) or dst[j] != d:
+      return None
+    pos.append(j)
+    j += 1
+  if any(dst[k] != 1 for k in range(j, len(dst))):
+    return None
+  return tuple(pos)
+
+
+def _reshape_inserting_units(module, graph, op) -> Optional[ir.Value]:
+  if op.name != "reshape":
+    return None
+  x = op.operands[0]
+  pos = _unit_insert_positions(x.shape, op.results[0].shape)
+  if pos is None or len(op.results[0].shape) <= x.type.rank:
+    return None
+  return _emit(module, graph, op, "broadcast_in_dim", [x], {"broadcast_dimensions": pos})
+
+
+def _reshape_of_reshape(module, graph, op) -> Optional[ir.Value]:
+  if op.name != "reshape":
+    return None
+  x = op.operands[0]
+  if x.producer is None or x.producer.name != "reshape":
+    return None
+  return _emit(module, graph, op, "reshape", [x.producer.operands[0]], {})
+
+
+def _reshape_of_unit_broadcast(module, graph, op) -> Optional[ir.Value]:
+  """reshape(broadcast(y) that only added unit dims) back to y's shape is y."""
+  if op.name != "reshape":
+    return None
+  x = op.operands[0]
+  p = x.producer
+  if p is None or p.name != "broadcast_in_dim":
+    return None
+  y = p.operands[0]
+  if y.type != op.results[0].type:
+    return None
+  if _unit_insert_positions(y.shape, x.shape) != tuple(p.attrs["broadcast_dimensions"]):
+    return None
+  return y
+
+
+def _broadcast_of_broadcast(module, graph, op) -> Optional[ir.Value]:
+  if op.name != "broadcast_in_dim":
+    return None
+  x = op.operands[0]
+  p = x.producer
+  if p is None or p.name != "broadcast_in_dim":
+    return None
+  outer = op.attrs["broadcast_dimensions"]
+  inner = p.attrs["broadcast_dimensions"]
+  return _emit(module, graph, op, "broadcast_in_dim", [p.operands[0]],
+               {"broadcast_dimensions": tuple(outer[d] for d in inner)})
+
+
+def _broadcast_expanding_units(module, graph, op) -> Optional[ir.Value]:
+  """broadcast(x) that stretches unit dims of x -> broadcast(squeeze(x)).
+
+  A stretched unit dim may be mapped to any output dim, so jax and XLA spell
+  it differently; squeezing it first leaves one spelling.
+  """
+  if op.name != "broadcast_in_dim":
+    return None
+  x = op.operands[0]
+  dims = op.attrs["broadcast_dimensions"]
+  out = op.results[0].shape
+  stretched = [i for i, d in enumerate(dims) if x.shape[i] == 1 and out[d] != 1]
+  if not stretched:
+    return None
+  keep = [i for i in range(x.type.rank) if i not in stretched]
+  squeezed_type = ir.TensorType(tuple(x.shape[i] for i in keep), x.type.dtype)
+  squeeze = ir.Op("reshape", [x], {}, [], op.location)
+  squeeze.results = [module.new_value(squeezed_type, squeeze, 0)]
+  inner = _simplify(module, graph, squeeze)
+  if inner is None:
+    graph.ops_to_place.append(squeeze)  # type: ignore[attr-defined]
+    inner = squeeze.results[0]
+  return _emit(module, graph, op, "broadcast_in_dim", [inner],
+               {"broadcast_dimensions": tuple(dims[i] for i in keep)})
+
+
+PATTERNS: tuple[Pattern, ...] = (
+    _identity_shape_op, _reshape_inserting_units, _reshape_of_reshape,
+    _reshape_of_unit_broadcast, _broadcast_of_broadcast, _broadcast_expanding_units)
+
+
+def _emit(module, graph, op, name, operands, attrs) -> ir.Value:
+  """A new op (not yet placed in the graph) standing for ``op``'s result."""
+  new = ir.Op(name, operands, attrs, [], op.location)
+  new.results = [module.new_value(op.results[0].type, new, 0)]
+  return new.results[0]
+
+
+def _simplify(module: ir.Module, graph: ir.Graph, op: ir.Op) -> Optional[ir.Value]:
+  for pattern in PATTERNS:
+    result = pattern(module, graph, op)
+    if result is not None:
+      return result
+  return None
+
+
+def canonicalize_graph(module: ir.Module, graph: ir.Graph) -> int:
+  """Rewrite ``graph`` in place to the normal form; returns the rewrite count."""
+  replace: dict[int, ir.Value] = {}
+  out: list[ir.Op] = []
+  placed: set[int] = set()
+  rewrites = 0
+  graph.ops_to_place = []  # type: ignore[attr-defined]
+  for op in graph.ops:
+    op.operands = [replace.get(v.id, v) for v in op.operands]
+    for region in op.regions:
+      rewrites += canonicalize_graph(module, region)
+    current = op
+    final = None
+    while len(current.results) == 1:
+      result = _simplify(module, graph, current)
+      if result is None:
+        break
+      rewrites += 1
+      out.extend(graph.ops_to_place)  # type: ignore[attr-defined]
+      graph.ops_to_place = []  # type: ignore[attr-defined]
+      if result.producer is not None and id(result.producer) not in placed \
+          and result.producer is not current and result.producer not in graph.ops:
+        current = result.producer  # a fresh op: simplify it in turn
+        continue
+      final = result
+      break
+    if final is None:
+      out.append(current)
+      placed.add(id(current))
+      final = current.results[0] if len(current.results) == 1 else None
+    if final is not None and final is not op.results[0]:
+      replace[op.results[0].id] = final
+  del graph.ops_to_place  # type: ignore[attr-defined]
+  graph.ops = out
+  graph.results = [replace.get(v.id, v) for v in graph.results]
+  return rewrites
+
+
+def canonical_local_op(name: str, attrs: dict, operand_types: list[ir.TensorType],
+                       result_type: ir.TensorType) -> Optional[tuple[str, dict]]:
+  """The normal form of one op given only its operand types (for lemma-made ops).
+
+  ``None`` means the op is the identity on its first operand.
+  """
+  if name in ("reshape", "broadcast_in_dim", "convert", "copy") and len(operand_types) == 1:
+    src = operand_types[0]
+    if src == result_type and (name != "broadcast_in_dim" or tuple(
+        attrs["broadcast_dimensions"]) == tuple(range(src.rank))):
+      return None
+    if name == "reshape" and result_type.rank > src.rank:
+      pos = _unit_insert_positions(src.shape, result_type.shape)
+      if pos is not None:
+        return "broadcast_in_dim", {"broadcast_dimensions": pos}
+  return name, attrs
+
+
+def canonicalize_module(module: ir.Module) -> int:
+  return sum(canonicalize_graph(module, g) for g in module.functions.values())
