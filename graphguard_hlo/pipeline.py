@@ -24,9 +24,14 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
   return canonicalize_dist(dist, num_partitions)
 
 
-def verify_modules(seq: ir.Module, dist: ir.Module, input_layouts: Optional[list[Layout]] = None,
-                   num_partitions: Optional[int] = None) -> Result:
+def prepare_seq(seq: ir.Module) -> ir.Module:
   inline_calls(seq)
   canonicalize_module(seq)
+  return seq
+
+
+def verify_modules(seq: ir.Module, dist: ir.Module, input_layouts: Optional[list[Layout]] = None,
+                   num_partitions: Optional[int] = None) -> Result:
+  prepare_seq(seq)
   program = prepare_dist(dist, num_partitions)
   return verify_programs(seq, program, input_layouts)

@@ -1,0 +1,89 @@
+"""``gg-hlo-verify SEQ DIST``: prove DIST refines SEQ, or say where it does not.
+
+Exit codes: 0 refinement proved; 1 not proved (with the failing op); 2 usage
+or input error (one line: file, line, what is wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from graphguard_hlo.errors import InputError
+
+EXIT_REFINES, EXIT_NOT_PROVED, EXIT_INPUT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # one line, exit 2, like every other input error
+    self.exit(EXIT_INPUT_ERROR, f"gg-hlo-verify: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="gg-hlo-verify", description=__doc__.split("\n")[0])
+  p.add_argument("seq", metavar="SEQ", help="sequential module (.mlir, .mlirbc, HLO .txt, .pb)")
+  p.add_argument("dist", metavar="DIST", help="distributed module: per-device SPMD module, "
+                 "shard_map StableHLO, or sharded StableHLO")
+  p.add_argument("--relation", metavar="FILE", help="input relation file (see README)")
+  p.add_argument("--format", choices=("text", "json"), default="text")
+  p.add_argument("--num-partitions", type=int, metavar="N",
+                 help="partition count, when DIST does not record it")
+  p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+  return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  args = _parser().parse_args(argv)
+  try:
+    return _run(args)
+  except InputError as e:
+    print(e.one_line(), file=sys.stderr)
+    return EXIT_INPUT_ERROR
+  except KeyboardInterrupt:
+    return 130
+
+
+def _run(args) -> int:
+  from graphguard_hlo import report
+  from graphguard_hlo.loaders import load_module
+  from graphguard_hlo.passes.inference import verify_programs
+  from graphguard_hlo.pipeline import prepare_dist, prepare_seq
+  from graphguard_hlo.relation_file import merge_layouts, parse_relation_file
+
+  if args.num_partitions is not None and args.num_partitions < 1:
+    raise InputError(None, f"--num-partitions must be positive, got {args.num_partitions}")
+  seq = load_module(args.seq)
+  dist = load_module(args.dist)
+  if not args.quiet and args.format == "text":
+    print(f"SEQ  {seq.summary()}")
+    print(f"DIST {dist.summary()}")
+  prepare_seq(seq)
+  program = prepare_dist(dist, args.num_partitions)
+  layouts = program.param_layouts
+  if args.relation:
+    try:
+      with open(args.relation) as f:
+        text = f.read()
+    except OSError as e:
+      raise InputError(args.relation, f"cannot read: {e.strerror}") from None
+    given = parse_relation_file(args.relation, text, [p.type.rank for p in seq.main.params],
+                                list(program.mesh.axis_names))
+    layouts = merge_layouts(layouts, given)
+  result = verify_programs(seq, program, layouts)
+  if args.format == "json":
+    print(report.to_json(result))
+  elif args.quiet:
+    print(report.to_text(result, args.seq, args.dist).splitlines()[
+        0 if result.refines else -2])
+  else:
+    print(report.to_text(result, args.seq, args.dist))
+  return EXIT_REFINES if result.refines else EXIT_NOT_PROVED
+
+
+def run() -> None:
+  sys.exit(main())
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,85 @@
+"""The ``--relation FILE`` format: how each sequential parameter is laid out.
+
+One line per parameter (blank lines and ``#`` comments are ignored)::
+
+    # param: layout
+    0: replicated
+    1: dim1=tp
+    2: dim0=dp,tp          # dim 0 split over dp (major) then tp
+    3: dim0=tp partial=dp  # and summed over dp
+
+Axis names are the distributed program's mesh axes (shard_map: yours;
+XLA-partitioned modules: ``a0, a1, ...`` major to minor, as printed by
+``gg-hlo-verify`` in its summary).  Parameters not listed keep the layout
+derived from DIST's shardings.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from graphguard_hlo.errors import InputError
+from graphguard_hlo.passes.layout import Layout
+
+_LINE = re.compile(r"^\s*(\d+)\s*:\s*(.*?)\s*$")
+_ITEM = re.compile(r"(dim(\d+)|partial)=([A-Za-z_][\w]*(?:,[A-Za-z_][\w]*)*)$")
+
+
+def parse_relation_file(path: str, text: str, ranks: list[int], axes: list[str]
+                        ) -> dict[int, Layout]:
+  out: dict[int, Layout] = {}
+  for lineno, raw in enumerate(text.splitlines(), 1):
+    line = raw.split("#", 1)[0]
+    if not line.strip():
+      continue
+    m = _LINE.match(line)
+    if not m:
+      raise InputError(path, "expected '<parameter index>: <layout>'", lineno,
+                       len(line) - len(line.lstrip()) + 1)
+    index = int(m.group(1))
+    if index >= len(ranks):
+      raise InputError(path, f"parameter {index} does not exist (the module has "
+                       f"{len(ranks)})", lineno, m.start(1) + 1)
+    if index in out:
+      raise InputError(path, f"parameter {index} is given twice", lineno, m.start(1) + 1)
+    out[index] = _parse_layout(path, lineno, line, m.start(2), m.group(2), ranks[index], axes)
+  return out
+
+
+def _parse_layout(path, lineno, line, col0, spec, rank, axes) -> Layout:
+  dims: list[tuple[str, ...]] = [() for _ in range(rank)]
+  partial: tuple[str, ...] = ()
+  if spec == "replicated":
+    return Layout(tuple(dims))
+  if not spec:
+    raise InputError(path, "missing layout after ':'", lineno, col0 + 1)
+  col = col0
+  for item in spec.split():
+    col = line.index(item, col)
+    m = _ITEM.match(item)
+    if not m:
+      raise InputError(path, f"cannot read {item!r}: expected dimK=AXIS[,AXIS], "
+                       "partial=AXIS[,AXIS] or replicated", lineno, col + 1)
+    names = tuple(m.group(3).split(","))
+    unknown = [a for a in names if a not in axes]
+    if unknown:
+      raise InputError(path, f"unknown mesh axis {unknown[0]!r} (mesh axes: "
+                       f"{', '.join(axes) or 'none'})", lineno, col + 1)
+    if m.group(2) is not None:
+      d = int(m.group(2))
+      if d >= rank:
+        raise InputError(path, f"dim{d} out of range for a rank-{rank} parameter",
+                         lineno, col + 1)
+      dims[d] = names
+    else:
+      partial = names
+    col += len(item)
+  layout = Layout(tuple(dims), partial)
+  if not layout.is_valid():
+    raise InputError(path, "an axis is used twice in one layout", lineno, col0 + 1)
+  return layout
+
+
+def merge_layouts(derived: list[Optional[Layout]], given: dict[int, Layout]) -> list[Optional[Layout]]:
+  return [given.get(i, l) for i, l in enumerate(derived)]

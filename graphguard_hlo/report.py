@@ -1,0 +1,39 @@
+"""Verdicts for people (compiler-style text) and for programs (JSON)."""
+
+from __future__ import annotations
+
+import json
+
+from graphguard_hlo.passes.inference import Result
+
+
+def to_text(result: Result, seq_path: str, dist_path: str) -> str:
+  lines = []
+  if result.refines:
+    lines.append(f"{dist_path}: refines {seq_path}")
+    for o in result.outputs:
+      lines.append(f"  output {o.index} = {o.relation}")
+  else:
+    f = result.failure
+    assert f is not None
+    what = (f"output {f.output_index} is not rebuilt by a clean expression"
+            if f.output_index is not None else
+            f"'{f.op_name}' has no relation to the distributed program")
+    lines.append(f"{f.location}: error: {what}")
+    lines.append(f"  diagnosis: {f.diagnosis}")
+    for operand, rels in f.inputs:
+      lines.append(f"  {operand}")
+      for r in rels or ["(no relation)"]:
+        lines.append(f"      ~ {r}")
+    for o in result.outputs:
+      lines.append(f"  output {o.index} = {o.relation}")
+    lines.append(f"{dist_path}: not proved to refine {seq_path}")
+  s = result.stats
+  if s:
+    lines.append(f"  ({s.get('seq_ops_checked', 0)} sequential ops checked against "
+                 f"{s.get('dist_ops', 0)} per-device ops, mesh {s.get('mesh')})")
+  return "\n".join(lines)
+
+
+def to_json(result: Result) -> str:
+  return json.dumps(result.to_json(), indent=2)

@@ -1,0 +1,136 @@
+"""The CLI contract: exit 0 proved, 1 not proved, 2 input error on one line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from graphguard_hlo import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TD = os.path.join(REPO, "testdata")
+
+
+def _pair(name, dist="dist.mlir"):
+  return os.path.join(TD, name, "seq.mlir"), os.path.join(TD, name, dist)
+
+
+def _run(capsys, *argv):
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+@pytest.mark.parametrize("dist", ["dist.hlo.pb", "dist.hlo.txt"])
+def test_gspmd_pair_refines(capsys, dist):
+  seq, d = _pair("tp_mlp__gspmd__ok", dist)
+  if dist.endswith(".txt"):
+    pytest.importorskip("graphguard_hlo.loaders.hlo_text")
+  code, out, _ = _run(capsys, seq, d)
+  assert code == 0, out
+  assert "refines" in out
+
+
+def test_shard_map_pair_refines_json(capsys):
+  code, out, _ = _run(capsys, *_pair("tp_mlp__shard_map__ok"), "--format", "json")
+  assert code == 0
+  doc = json.loads(out)
+  assert doc["verdict"] == "refines" and doc["failure"] is None
+  assert doc["outputs"] == [{"index": 0, "relation": "replica(out0@r)"}]
+
+
+def test_missing_allreduce_reported_json(capsys):
+  code, out, _ = _run(capsys, *_pair("tp_mlp__shard_map__missing_allreduce"), "--format", "json")
+  assert code == 1
+  doc = json.loads(out)
+  assert doc["verdict"] == "not_proved"
+  f = doc["failure"]
+  assert f["op"] == "add" and f["location"].startswith("tools/zoo/cases.py:")
+  assert "missing all-reduce" in f["diagnosis"]
+  assert any("sum[tp]" in r for i in f["inputs"] for r in i["relations"])
+
+
+def test_text_report_is_compiler_style(capsys):
+  code, out, _ = _run(capsys, *_pair("sp_allgather_mlp__shard_map__wrong_gather_dim"))
+  assert code == 1
+  assert "tools/zoo/cases.py:" in out and ": error: 'dot_general'" in out
+
+
+def test_relation_file_overrides_input_layout(tmp_path, capsys):
+  # Claim w1 is replicated although each rank holds a column block: the
+  # shapes no longer fit, an input error naming the parameter.
+  rel = tmp_path / "rel.txt"
+  rel.write_text("# wrong on purpose\n1: replicated\n")
+  code, _, err = _run(capsys, *_pair("tp_mlp__shard_map__ok"), "--relation", str(rel))
+  assert code == 2 and "parameter 1" in err
+
+
+def test_relation_file_that_matches_is_accepted(tmp_path, capsys):
+  rel = tmp_path / "rel.txt"
+  rel.write_text("0: replicated\n1: dim1=tp\n2: dim0=tp\n3: dim0=tp  # row-parallel\n")
+  code, out, _ = _run(capsys, *_pair("tp_mlp__shard_map__ok"), "--relation", str(rel))
+  assert code == 0, out
+
+
+@pytest.mark.parametrize("text,line,needle", [
+    ("1 dim1=tp\n", 1, "expected '<parameter index>: <layout>'"),
+    ("\n1: dim1=zz\n", 2, "unknown mesh axis 'zz'"),
+    ("1: dim7=tp\n", 1, "dim7 out of range"),
+    ("9: replicated\n", 1, "parameter 9 does not exist"),
+    ("1: dim0=tp dim1=tp\n", 1, "used twice"),
+])
+def test_bad_relation_file(tmp_path, capsys, text, line, needle):
+  rel = tmp_path / "rel.txt"
+  rel.write_text(text)
+  code, out, err = _run(capsys, *_pair("tp_mlp__shard_map__ok"), "--relation", str(rel))
+  assert code == 2
+  assert err.count("\n") == 1 and f"rel.txt:{line}:" in err and needle in err
+
+
+def _bad(tmp_path, name, content):
+  p = tmp_path / name
+  p.write_bytes(content if isinstance(content, bytes) else content.encode())
+  return str(p)
+
+
+@pytest.mark.parametrize("name,content,needle", [
+    ("empty.mlir", "", "empty file"),
+    ("garbage.mlir", "module { this is not mlir }", "error"),
+    ("truncated.mlir", None, "error"),
+    ("notes.txt", "hello world\n", "unrecognized format"),
+    ("bin.pb", b"\x0a\x05hello\xff\xfe", "not a valid HLO proto"),
+])
+def test_bad_module_is_one_line_exit_2(tmp_path, capsys, name, content, needle):
+  seq, _ = _pair("tp_mlp__shard_map__ok")
+  if content is None:
+    with open(seq) as f:
+      text = f.read()
+    content = text[: len(text) // 2]
+  bad = _bad(tmp_path, name, content)
+  code, out, err = _run(capsys, seq, bad)
+  assert code == 2
+  assert err.count("\n") == 1 and name in err and needle in err
+  assert "Traceback" not in err
+
+
+def test_missing_file_and_directory(tmp_path, capsys):
+  seq, _ = _pair("tp_mlp__shard_map__ok")
+  code, _, err = _run(capsys, seq, str(tmp_path / "nope.mlir"))
+  assert code == 2 and "no such file" in err
+  code, _, err = _run(capsys, seq, str(tmp_path))
+  assert code == 2 and "is a directory" in err
+
+
+def test_mismatched_parameter_counts(capsys):
+  seq, _ = _pair("dp_loss__shard_map__psum_not_pmean")
+  _, dist = _pair("tp_mlp__shard_map__ok")
+  code, _, err = _run(capsys, seq, dist)
+  assert code == 2 and "parameters" in err
+
+
+def test_usage_error_exit_2():
+  proc = subprocess.run([sys.executable, "-m", "graphguard_hlo.cli", "only-one-arg"],
+                        capture_output=True, text=True)
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1
