@@ -11,6 +11,9 @@ before anything is compared:
   reshape(reshape(x))                     -> reshape(x)
   reshape of a unit-dims-only broadcast   -> x, when the shape is x's
   broadcast(broadcast(x, d1), d2)         -> broadcast(x, d2 . d1)
+  broadcast stretching unit dims          -> broadcast(reshape-squeeze(x))
+  iota of rank > 1 along k                -> broadcast(iota along k only)
+  x + 0                                   -> x
 
 Each is an identity of the ops' semantics (tested in tests/test_canonicalize.py).
 """
@@ -123,9 +126,34 @@ def _broadcast_expanding_units(module, graph, op) -> Optional[ir.Value]:
                {"broadcast_dimensions": tuple(dims[i] for i in keep)})
 
 
+def _iota_as_broadcast(module, graph, op) -> Optional[ir.Value]:
+  """iota(shape, k) of rank > 1 -> broadcast(iota([shape[k]]), (k,)): XLA's spelling."""
+  if op.name != "iota" or op.results[0].type.rank < 2:
+    return None
+  t = op.results[0].type
+  k = op.attrs["iota_dimension"]
+  line = ir.Op("iota", [], {"iota_dimension": 0}, [], op.location)
+  line.results = [module.new_value(ir.TensorType((t.shape[k],), t.dtype), line, 0)]
+  graph.ops_to_place.append(line)  # type: ignore[attr-defined]
+  return _emit(module, graph, op, "broadcast_in_dim", [line.results[0]],
+               {"broadcast_dimensions": (k,)})
+
+
+def _add_zero(module, graph, op) -> Optional[ir.Value]:
+  """x + 0 -> x (jax adds a zero offset to the causal mask's iota; XLA folds it)."""
+  if op.name != "add" or len(op.operands) != 2:
+    return None
+  from graphguard_hlo.passes.terms import splat_value
+  for x, zero in (op.operands, op.operands[::-1]):
+    if splat_value(zero) == 0.0 and x.type == op.results[0].type:
+      return x
+  return None
+
+
 PATTERNS: tuple[Pattern, ...] = (
     _identity_shape_op, _reshape_inserting_units, _reshape_of_reshape,
-    _reshape_of_unit_broadcast, _broadcast_of_broadcast, _broadcast_expanding_units)
+    _reshape_of_unit_broadcast, _broadcast_of_broadcast, _broadcast_expanding_units,
+    _iota_as_broadcast, _add_zero)
 
 
 def _emit(module, graph, op, name, operands, attrs) -> ir.Value:

@@ -20,7 +20,9 @@ _NON_SEMANTIC = {"channel_handle", "precision_config", "precision", "result_accu
                  "mhlo.sharding", "mhlo.frontend_attributes", "sdy.sharding",
                  "algorithm", "metadata", "backend_config", "operand_layouts",
                  "result_layouts", "mhlo.sharding_rule", "sdy.sharding_rule",
-                 "use_global_device_ids", "gg.permutation"}
+                 "use_global_device_ids", "gg.permutation",
+                 # Implied by the operand type (XLA drops it, jax prints it).
+                 "compare_type"}
 
 COMMUTATIVE = {"add", "multiply", "maximum", "minimum", "and", "or", "xor"}
 

@@ -12,10 +12,7 @@ _STABLEHLO_NAME = {"integer_pow": "multiply", "exp": "exponential"}
 
 # Correct programs the engine cannot prove yet, with the reason.  Kept honest:
 # the test below fails if one of them starts being proved (remove it here).
-KNOWN_UNPROVED = {
-    "tp_attention/gspmd/ok": "XLA partitions the head reshape into a per-device "
-                             "reshape of a dynamic-slice the lemmas do not cover yet",
-}
+KNOWN_UNPROVED: dict[str, str] = {}
 
 
 def _verify(case):
