@@ -74,8 +74,7 @@ def _run(args) -> int:
   if args.format == "json":
     print(report.to_json(result))
   elif args.quiet:
-    print(report.to_text(result, args.seq, args.dist).splitlines()[
-        0 if result.refines else -2])
+    print(report.to_text(result, args.seq, args.dist).splitlines()[0])
   else:
     print(report.to_text(result, args.seq, args.dist))
   return EXIT_REFINES if result.refines else EXIT_NOT_PROVED

@@ -16,6 +16,11 @@ from graphguard_hlo.passes.collectives import COLLECTIVES
 from graphguard_hlo.passes.layout import Layout, scales_equal
 
 
+def _dname(v: ir.Value) -> str:
+  """Per-device values are named by their op, so they never read like sequential ones."""
+  return f"%{v.producer.name}.{v.id}" if v.producer is not None else f"%{v.name or v.id}"
+
+
 def _axes(axes) -> str:
   return ", ".join(f"'{a}'" for a in axes)
 
@@ -94,12 +99,12 @@ def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
         if c in related:
           lay = related[c].layout
           if not lay.is_clean():
-            notes.append(f"%{dv.id} is {_scale_words(lay.scale, inf.mesh)}")
+            notes.append(f"{_dname(dv)}, where {_scale_words(lay.scale, inf.mesh)}")
           elif lay.partial:
-            notes.append(f"%{dv.id} is a partial sum over {_axes(lay.partial)}")
+            notes.append(f"{_dname(dv)}, a partial sum over {_axes(lay.partial)}")
         elif dv.producer is not None:
-          notes.append(f"%{dv.id} (from {dv.producer.name} at {dv.producer.location}) "
-                       "relates to no sequential value")
+          notes.append(f"{_dname(dv)} (at {dv.producer.location}), which relates to no "
+                       "sequential value")
       if notes:
         return f"the per-device {op.name} at {d_op.location} reads " + "; ".join(notes)
   return None
@@ -138,7 +143,7 @@ def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[La
       words = _collective_words(inf, r.cls, r.layout)
       if words:
         problems.append(words)
-    problems.append(f"the distributed output {i} (%{d.id}"
+    problems.append(f"the distributed output {i} ({_dname(d)}"
                     + (f" from {d.producer.name} at {d.producer.location}" if d.producer else "")
                     + ") is not related to the sequential output")
   where = s.producer.location if s.producer else ir.UNKNOWN_LOCATION
