@@ -74,7 +74,7 @@ def parse_hlo_sharding(text: str) -> HloSharding | list[HloSharding]:
         start = i + 1
     parts.append(inner[start:])
     return [parse_hlo_sharding(p) for p in parts if p.strip()]  # type: ignore[misc]
-  body = s.strip("{}").strip()
+  body = (s[1:-1] if s.startswith("{") and s.endswith("}") else s).strip()
   if body in ("replicated", ""):
     return HloSharding("replicated")
   if body.startswith("maximal"):

@@ -1,0 +1,122 @@
+"""GSPMD sharding strings, mesh inference, replica groups and partition-id arithmetic."""
+
+import numpy as np
+import pytest
+import sympy
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes import sharding as shd
+from graphguard_hlo.passes.layout import Layout
+from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
+
+
+def _layouts(strings, ranks, n):
+  parsed = [shd.parse_hlo_sharding(s) for s in strings]
+  mesh = shd.infer_mesh(parsed, n)
+  return mesh, [shd.layout_from_hlo_sharding(p, mesh, r) for p, r in zip(parsed, ranks)]
+
+
+def test_one_axis():
+  mesh, (a, b, c) = _layouts(["{devices=[1,4]<=[4]}", "{devices=[4,1]<=[4]}", "{replicated}"],
+                             [2, 2, 1], 4)
+  assert mesh.axes == (("a0", 4),)
+  assert a == Layout(((), ("a0",))) and b == Layout((("a0",), ())) and c == Layout(((),))
+
+
+def test_two_axes_with_partial_replication():
+  # 2 x 4 mesh: dim 0 over the major axis, last tile dim replicated over the minor one.
+  mesh, (a, b) = _layouts(["{devices=[2,1,4]<=[8] last_tile_dim_replicate}",
+                           "{devices=[2,4]<=[8]}"], [2, 2], 8)
+  assert mesh.axes == (("a0", 2), ("a1", 4))
+  assert a == Layout((("a0",), ()))
+  assert b == Layout((("a0",), ("a1",)))
+
+
+def test_transposed_iota_list():
+  # [4,2]T(1,0): tile dim 0 runs over the minor axis (stride 1), dim 1 over the major.
+  mesh, (a,) = _layouts(["{devices=[2,4]<=[4,2]T(1,0)}"], [2], 8)
+  assert mesh.axes == (("a0", 4), ("a1", 2))
+  assert a == Layout((("a1",), ("a0",)))
+  parsed = shd.parse_hlo_sharding("{devices=[2,4]<=[4,2]T(1,0)}")
+  np.testing.assert_array_equal(parsed.device_array(), np.arange(8).reshape(4, 2).T)
+
+
+def test_merged_axes_on_one_dim():
+  mesh, (a, b) = _layouts(["{devices=[8,1]<=[8]}", "{devices=[2,4]<=[8]}"], [2, 2], 8)
+  assert a == Layout((("a0", "a1"), ()))
+
+
+def test_unreduced_is_partial():
+  mesh, (a,) = _layouts(["{devices=[1,2,2]<=[4] last_tile_dims={unreduced}}"], [2], 4)
+  assert a.partial and a.dims[1]
+
+
+@pytest.mark.parametrize("bad", ["{devices=[2,2]0,2,1}", "{bogus}", "{devices=[2,2]<=[4] "
+                                 "last_tile_dims={manual}}"])
+def test_bad_sharding_strings(bad):
+  with pytest.raises(shd.ShardingError):
+    shd.parse_hlo_sharding(bad)
+
+
+def test_replica_groups_to_axes():
+  mesh = ir.Mesh((("dp", 2), ("tp", 4)))
+  assert shd.group_axes([[0, 1, 2, 3], [4, 5, 6, 7]], mesh) == ("tp",)
+  assert shd.group_axes([[0, 4], [1, 5], [2, 6], [3, 7]], mesh) == ("dp",)
+  assert shd.group_axes([list(range(8))], mesh) == ("dp", "tp")
+  # Groups that are not "all devices differing on some axes", or out of order.
+  assert shd.group_axes([[0, 1], [2, 3], [4, 5], [6, 7]], mesh) is None
+  assert shd.group_axes([[1, 0, 2, 3], [4, 5, 6, 7]], mesh) is None
+
+
+def test_collective_permute_pairs():
+  mesh = ir.Mesh((("dp", 2), ("tp", 4)))
+  axis, perm = shd.axes_of_pairs([(0, 1), (1, 2), (2, 3), (3, 0), (4, 5), (5, 6), (6, 7),
+                                  (7, 4)], mesh)
+  assert axis == "tp" and perm == {0: 1, 1: 2, 2: 3, 3: 0}
+  assert shd.axes_of_pairs([(0, 5)], mesh) is None
+
+
+def _scalar_module(mesh):
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("main")
+  return m, g
+
+
+def _op(m, g, name, operands, dtype="i32", **attrs):
+  return m.add_op(g, name, operands, [ir.TensorType((), dtype)], attrs).result
+
+
+def test_axis_index_arithmetic_is_symbolic():
+  """shard_map's axis_index: partition_id / stride % size."""
+  mesh = ir.Mesh((("dp", 2), ("tp", 4)))
+  m, g = _scalar_module(mesh)
+  pid = _op(m, g, "partition_id", [], "ui32")
+  const = lambda v: _op(m, g, "constant", [], "ui32", value=np.array(v, np.uint32))
+  dp_index = _op(m, g, "remainder", [_op(m, g, "divide", [pid, const(4)], "ui32"), const(2)],
+                 "ui32")
+  tp_index = _op(m, g, "remainder", [_op(m, g, "divide", [pid, const(1)], "ui32"), const(4)],
+                 "ui32")
+  arith = RankArithmetic(mesh)
+  assert arith.value(dp_index) == rank_symbol("dp")
+  assert arith.value(tp_index) == rank_symbol("tp")
+  offset = _op(m, g, "multiply", [_op(m, g, "convert", [tp_index]),
+                                  _op(m, g, "constant", [], value=np.array(8, np.int32))])
+  assert sympy.simplify(arith.value(offset) - 8 * rank_symbol("tp")) == 0
+
+
+def test_gspmd_offset_table_lookup():
+  """GSPMD reads offsets from a constant table indexed by partition-id."""
+  mesh = ir.Mesh((("a0", 4),))
+  m, g = _scalar_module(mesh)
+  table = m.add_op(g, "constant", [], [ir.TensorType((4,), "i32")],
+                   {"value": np.array([0, 8, 16, 24], np.int32)}).result
+  pid = _op(m, g, "partition_id", [], "ui32")
+  looked = m.add_op(g, "dynamic_slice", [table, pid], [ir.TensorType((1,), "i32")],
+                    {"slice_sizes": (1,)}).result
+  assert RankArithmetic(mesh).value(looked) == 8 * rank_symbol("a0")
+  # A table that is not affine in the index stays unknown (never guessed).
+  table2 = m.add_op(g, "constant", [], [ir.TensorType((4,), "i32")],
+                    {"value": np.array([0, 8, 24, 16], np.int32)}).result
+  looked2 = m.add_op(g, "dynamic_slice", [table2, pid], [ir.TensorType((1,), "i32")],
+                     {"slice_sizes": (1,)}).result
+  assert RankArithmetic(mesh).value(looked2) is None
