@@ -204,9 +204,26 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph) -> int:
     if final is not None and final is not op.results[0]:
       replace[op.results[0].id] = final
   del graph.ops_to_place  # type: ignore[attr-defined]
-  graph.ops = out
   graph.results = [replace.get(v.id, v) for v in graph.results]
+  graph.ops = _without_dead_ops(out, graph.results)
   return rewrites
+
+
+_SIDE_EFFECTS = {"custom_call", "outfeed", "infeed", "send", "recv", "optimization_barrier"}
+
+
+def _without_dead_ops(ops: list[ir.Op], results: list[ir.Value]) -> list[ir.Op]:
+  """Drop ops whose results nobody reads (what rewrites left behind)."""
+  used = {v.id for v in results}
+  kept = []
+  for op in reversed(ops):
+    if op.name in _SIDE_EFFECTS or any(r.id in used for r in op.results):
+      kept.append(op)
+      used.update(v.id for v in op.operands)
+      for region in op.regions:  # values captured by nested bodies stay alive
+        used.update(v.id for inner in region.walk() for v in inner.operands)
+  kept.reverse()
+  return kept
 
 
 def canonical_local_op(name: str, attrs: dict, operand_types: list[ir.TensorType],

@@ -1,0 +1,117 @@
+"""Each canonicalization pattern fires and preserves what the graph computes."""
+
+import numpy as np
+import pytest
+
+from graphguard_hlo import ir, reference
+from graphguard_hlo.passes.canonicalize import canonical_local_op, canonicalize_graph
+
+F32 = "f32"
+
+
+def _t(*shape, dtype=F32):
+  return ir.TensorType(tuple(shape), dtype)
+
+
+def _run(g: ir.Graph, inputs):
+  env = {p.id: x for p, x in zip(g.params, inputs)}
+  for op in g.ops:
+    env[op.results[0].id] = reference.evaluate(op.name, op.attrs,
+                                               [env[v.id] for v in op.operands],
+                                               op.results[0].type)
+  return [env[v.id] for v in g.results]
+
+
+def _graph(param_types):
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("main")
+  g.params = [m.new_value(t, name=f"p{i}") for i, t in enumerate(param_types)]
+  return m, g
+
+
+def _op(m, g, name, operands, t, **attrs):
+  return m.add_op(g, name, operands, [t], attrs).result
+
+
+def _check(m, g, inputs, expect_ops):
+  before = _run(g, inputs)
+  rewrites = canonicalize_graph(m, g)
+  after = _run(g, inputs)
+  assert rewrites > 0
+  for a, b in zip(before, after):
+    np.testing.assert_array_equal(a, b)
+  assert [op.name for op in g.ops] == expect_ops
+
+
+def test_xla_broadcast_chain_meets_jax_spelling():
+  """XLA: reshape [16]->[1,16]; broadcast; reshape back; broadcast (1,)."""
+  m, g = _graph([_t(16)])
+  x = g.params[0]
+  r1 = _op(m, g, "reshape", [x], _t(1, 16))
+  b1 = _op(m, g, "broadcast_in_dim", [r1], _t(1, 16), broadcast_dimensions=(0, 1))
+  r2 = _op(m, g, "reshape", [b1], _t(16))
+  g.results = [_op(m, g, "broadcast_in_dim", [r2], _t(8, 16), broadcast_dimensions=(1,))]
+  _check(m, g, [np.arange(16.0)], ["broadcast_in_dim"])
+  assert g.ops[0].operands == [x] and g.ops[0].attrs["broadcast_dimensions"] == (1,)
+
+
+def test_jax_broadcast_chain_composes():
+  m, g = _graph([_t(16)])
+  b1 = _op(m, g, "broadcast_in_dim", [g.params[0]], _t(1, 16), broadcast_dimensions=(1,))
+  g.results = [_op(m, g, "broadcast_in_dim", [b1], _t(8, 16), broadcast_dimensions=(0, 1))]
+  _check(m, g, [np.arange(16.0)], ["broadcast_in_dim"])
+  assert g.ops[0].attrs["broadcast_dimensions"] == (1,)
+
+
+def test_broadcast_stretching_unit_dims_squeezes_first():
+  m, g = _graph([_t(8, 1)])
+  g.results = [_op(m, g, "broadcast_in_dim", [g.params[0]], _t(8, 16),
+                   broadcast_dimensions=(0, 1))]
+  _check(m, g, [np.arange(8.0).reshape(8, 1)], ["reshape", "broadcast_in_dim"])
+  assert g.ops[0].results[0].shape == (8,)
+
+
+def test_identity_ops_vanish_and_double_reshape_merges():
+  m, g = _graph([_t(4, 6)])
+  x = g.params[0]
+  c = _op(m, g, "convert", [x], _t(4, 6))
+  r = _op(m, g, "reshape", [c], _t(4, 6))
+  r2 = _op(m, g, "reshape", [_op(m, g, "reshape", [r], _t(24))], _t(6, 4))
+  g.results = [r2]
+  _check(m, g, [np.arange(24.0).reshape(4, 6)], ["reshape"])
+
+
+def test_iota_becomes_broadcast_of_a_line():
+  m, g = _graph([])
+  g.results = [_op(m, g, "iota", [], _t(4, 5, dtype="i32"), iota_dimension=1)]
+  _check(m, g, [], ["iota", "broadcast_in_dim"])
+  assert g.ops[0].results[0].shape == (5,)
+
+
+def test_add_zero():
+  m, g = _graph([_t(3, 3)])
+  zero = _op(m, g, "constant", [], _t(), value=np.array(0.0, np.float32))
+  z = _op(m, g, "broadcast_in_dim", [zero], _t(3, 3), broadcast_dimensions=())
+  g.results = [_op(m, g, "add", [g.params[0], z], _t(3, 3))]
+  before = _run(g, [np.ones((3, 3))])
+  canonicalize_graph(m, g)
+  assert g.results[0] is g.params[0]
+  np.testing.assert_array_equal(before[0], np.ones((3, 3)))
+
+
+def test_nothing_to_do_is_left_alone():
+  m, g = _graph([_t(4, 6), _t(6, 2)])
+  g.results = [_op(m, g, "dot_general", g.params, _t(4, 2), lhs_batch=(), rhs_batch=(),
+                   lhs_contract=(1,), rhs_contract=(0,))]
+  assert canonicalize_graph(m, g) == 0 and [o.name for o in g.ops] == ["dot_general"]
+
+
+@pytest.mark.parametrize("name,attrs,src,dst,expect", [
+    ("reshape", {}, (8,), (8,), None),
+    ("reshape", {}, (8, 2), (8, 1, 2), ("broadcast_in_dim", {"broadcast_dimensions": (0, 2)})),
+    ("reshape", {}, (8, 2), (16,), ("reshape", {})),
+    ("broadcast_in_dim", {"broadcast_dimensions": (0, 1)}, (8, 2), (8, 2), None),
+])
+def test_local_ops_get_the_same_normal_form(name, attrs, src, dst, expect):
+  got = canonical_local_op(name, attrs, [_t(*src)], _t(*dst))
+  assert got == expect
