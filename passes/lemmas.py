@@ -344,7 +344,14 @@ def _pad(op: SeqOp, ls: Sequence[Layout]):
   a, v = ls
   lo, hi, inner = (op.attrs[k] for k in ("edge_padding_low", "edge_padding_high",
                                          "interior_padding"))
-  if v.partial or any(a.dims[d] and (lo[d] or hi[d] or inner[d]) for d in range(a.rank)):
+  if any(a.dims[d] and (lo[d] or hi[d] or inner[d]) for d in range(a.rank)):
+    return
+  # Every rank pads with its own v: the pieces of v must combine like a's
+  # (same partial axes and scale); a replica only survives a max/min combine
+  # (under a sum it would count once per rank).
+  same = v.partial == a.partial and v.partial_kind == a.partial_kind
+  if not scales_equal(v.scale, a.scale) or not (
+      same or (not v.partial and a.partial_kind != "sum")):
     return
   yield op.attrs, a
 

@@ -1,0 +1,221 @@
+"""Numpy reference semantics of the IR ops the lemmas reason about.
+
+``evaluate(name, attrs, operands, result_type)`` computes one op on numpy
+arrays, following the StableHLO spec.  It is the ground truth the lemma and
+transfer tests compare against, and it can cross-check the verifier by running
+both programs numerically, so it favours obviously-correct over fast.
+
+Ops compute in their operands' precision (tests pass float64); only
+``convert`` and ``iota`` look at ``result_type.dtype``.  ``partition_id`` and
+the collectives depend on the rank and are not here.  ``reduce`` reads its
+reducer from ``attrs["gg.reduction"]`` ("sum", "max", "min", "mul"), the form
+``inference`` gives it, and takes ``[operand, init]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from graphguard_hlo import ir
+
+# -- dtypes ----------------------------------------------------------------------
+
+_NUMPY_DTYPES = {
+    "f64": np.float64, "f32": np.float32, "f16": np.float16,
+    "i64": np.int64, "i32": np.int32, "i16": np.int16, "i8": np.int8,
+    "ui64": np.uint64, "ui32": np.uint32, "ui16": np.uint16, "ui8": np.uint8,
+    "i1": np.bool_, "pred": np.bool_,
+}
+
+
+def _round_to_bf16(x: np.ndarray) -> np.ndarray:
+  """Round float32 to the nearest bfloat16 (ties to even), kept as float32."""
+  bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+  bias = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+  rounded = ((bits + bias) & np.uint32(0xFFFF0000)).view(np.float32)
+  return np.where(np.isfinite(x), rounded, np.asarray(x, dtype=np.float32))
+
+
+def cast(x: np.ndarray, dtype: str) -> np.ndarray:
+  """``convert`` to an IR dtype: floats round, ints truncate toward zero, i1 is ``!= 0``."""
+  x = np.asarray(x)
+  if dtype == "bf16":
+    return _round_to_bf16(x.astype(np.float32))
+  if dtype not in _NUMPY_DTYPES:
+    raise NotImplementedError(f"reference: dtype {dtype}")
+  target = _NUMPY_DTYPES[dtype]
+  if target is np.bool_:
+    return x != 0
+  if np.issubdtype(target, np.integer) and np.issubdtype(x.dtype, np.floating):
+    x = np.trunc(x)
+  return x.astype(target)
+
+
+# -- elementwise -------------------------------------------------------------------
+
+def _round_afz(x):
+  return np.sign(x) * np.floor(np.abs(x) + 0.5)
+
+
+def _divide(a, b):
+  """Integer division truncates toward zero (C), not toward -inf (numpy ``//``)."""
+  if np.issubdtype(a.dtype, np.integer) and np.issubdtype(b.dtype, np.integer):
+    return (np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))).astype(a.dtype)
+  return np.divide(a, b)
+
+
+UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "negate": np.negative, "copy": lambda x: x.copy(), "abs": np.abs,
+    "exponential": np.exp, "exponential_minus_one": np.expm1,
+    "log": np.log, "log_plus_one": np.log1p, "logistic": lambda x: 1 / (1 + np.exp(-x)),
+    "sqrt": np.sqrt, "rsqrt": lambda x: 1 / np.sqrt(x), "cbrt": np.cbrt,
+    "tanh": np.tanh, "sine": np.sin, "cosine": np.cos, "tan": np.tan,
+    "ceil": np.ceil, "floor": np.floor, "sign": np.sign,
+    "round_nearest_even": np.round, "round_nearest_afz": _round_afz,
+    "is_finite": np.isfinite, "not": np.invert,  # logical on i1, bitwise on ints
+    "erf": np.vectorize(math.erf, otypes=[np.float64]),
+}
+
+BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "divide": _divide,
+    "maximum": np.maximum, "minimum": np.minimum, "power": np.power,
+    "remainder": np.fmod,  # the sign of the dividend, as in C
+    "atan2": np.arctan2,
+    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,  # also on i1
+}
+
+COMPARISONS = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
+               "GT": np.greater, "GE": np.greater_equal}
+
+
+# -- structural ops ----------------------------------------------------------------
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def dot_general(lhs: np.ndarray, rhs: np.ndarray, attrs: dict) -> np.ndarray:
+  """Result dims: batch (in lhs_batch order), lhs free, rhs free, as in StableHLO."""
+  lb, rb = attrs["lhs_batch"], attrs["rhs_batch"]
+  lc, rc = attrs["lhs_contract"], attrs["rhs_contract"]
+  letters = iter(_LETTERS)
+  lhs_sub = [next(letters) for _ in range(lhs.ndim)]
+  rhs_sub = [""] * rhs.ndim
+  for i, j in zip(lb, rb):
+    rhs_sub[j] = lhs_sub[i]
+  for i, j in zip(lc, rc):
+    rhs_sub[j] = lhs_sub[i]
+  rhs_sub = [s or next(letters) for s in rhs_sub]
+  out = ([lhs_sub[i] for i in lb]
+         + [lhs_sub[i] for i in range(lhs.ndim) if i not in lb and i not in lc]
+         + [rhs_sub[j] for j in range(rhs.ndim) if j not in rb and j not in rc])
+  spec = f"{''.join(lhs_sub)},{''.join(rhs_sub)}->{''.join(out)}"
+  return np.einsum(spec, lhs, rhs)
+
+
+def broadcast_in_dim(x: np.ndarray, dims: Sequence[int], shape: Sequence[int]) -> np.ndarray:
+  """Operand dim i becomes result dim dims[i] (size equal, or 1 and expanded)."""
+  order = sorted(range(x.ndim), key=lambda i: dims[i])
+  placed = [1] * len(shape)
+  for i in order:
+    placed[dims[i]] = x.shape[i]
+  return np.broadcast_to(np.transpose(x, order).reshape(placed), tuple(shape)).copy()
+
+
+REDUCERS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "mul": np.multiply}
+
+
+def reduce(x: np.ndarray, init: np.ndarray, dims: Sequence[int], kind: str) -> np.ndarray:
+  """Combine the init once with every element along ``dims`` (none: with each element)."""
+  if kind not in REDUCERS:
+    raise NotImplementedError(f"reference: reduce with reducer {kind!r}")
+  return REDUCERS[kind].reduce(x, axis=tuple(dims), initial=np.asarray(init).item())
+
+
+def slice_(x: np.ndarray, start: Sequence[int], limit: Sequence[int],
+           strides: Sequence[int]) -> np.ndarray:
+  return x[tuple(slice(s, l, k) for s, l, k in zip(start, limit, strides))].copy()
+
+
+def dynamic_slice(x: np.ndarray, offsets: Sequence[np.ndarray], sizes: Sequence[int]
+                  ) -> np.ndarray:
+  """Offsets are clamped so the slice stays in bounds, as in StableHLO."""
+  starts = [min(max(int(np.asarray(o).item()), 0), n - k)
+            for o, n, k in zip(offsets, x.shape, sizes)]
+  return x[tuple(slice(s, s + k) for s, k in zip(starts, sizes))].copy()
+
+
+def pad(x: np.ndarray, value: np.ndarray, low: Sequence[int], high: Sequence[int],
+        interior: Sequence[int]) -> np.ndarray:
+  """Interior padding between elements, then edge padding (negative edges crop)."""
+  spread = [n + max(n - 1, 0) * k for n, k in zip(x.shape, interior)]
+  full = [max(lo, 0) + s + max(hi, 0) for lo, s, hi in zip(low, spread, high)]
+  out = np.full(full, np.asarray(value).item(), dtype=x.dtype)
+  out[tuple(slice(max(lo, 0), max(lo, 0) + s, k + 1)
+            for lo, s, k in zip(low, spread, interior))] = x
+  crop = tuple(slice(max(-lo, 0), f - max(-hi, 0)) for lo, f, hi in zip(low, full, high))
+  return out[crop].copy()
+
+
+def iota(shape: Sequence[int], dim: int, dtype: str) -> np.ndarray:
+  line = np.arange(shape[dim]).reshape([-1 if d == dim else 1 for d in range(len(shape))])
+  return cast(np.broadcast_to(line, tuple(shape)), dtype)
+
+
+def _check_elementwise_shapes(name: str, xs: list[np.ndarray]) -> None:
+  """No numpy broadcasting: StableHLO only lets select's predicate and clamp's
+  bounds be scalars."""
+  shape = xs[1].shape if name in ("select", "clamp") else xs[0].shape
+  for k, x in enumerate(xs):
+    scalar_ok = (name == "select" and k == 0) or (name == "clamp" and k != 1)
+    if x.shape != shape and not (scalar_ok and x.ndim == 0):
+      raise ValueError(f"reference: {name} operand {k} has shape {x.shape}, expected {shape}")
+
+
+# -- dispatch ----------------------------------------------------------------------
+
+def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
+             result_type: ir.TensorType) -> np.ndarray:
+  """The result of op ``name`` with canonical ``attrs`` (see ``ir``) on ``operands``."""
+  xs = [np.asarray(x) for x in operands]
+  if name in BINARY or name in ("compare", "select", "clamp"):
+    _check_elementwise_shapes(name, xs)
+  if name in UNARY:
+    return UNARY[name](xs[0])
+  if name in BINARY:
+    return BINARY[name](xs[0], xs[1])
+  if name == "compare":
+    return COMPARISONS[attrs["comparison_direction"]](xs[0], xs[1])
+  if name == "select":
+    return np.where(xs[0].astype(bool), xs[1], xs[2])
+  if name == "clamp":
+    lo, x, hi = xs
+    return np.minimum(np.maximum(x, lo), hi)
+  if name == "convert":
+    return cast(xs[0], result_type.dtype)
+  if name == "dot_general":
+    return dot_general(xs[0], xs[1], attrs)
+  if name == "transpose":
+    return np.transpose(xs[0], attrs["permutation"]).copy()
+  if name == "reshape":
+    return xs[0].reshape(result_type.shape).copy()
+  if name == "broadcast_in_dim":
+    return broadcast_in_dim(xs[0], attrs["broadcast_dimensions"], result_type.shape)
+  if name == "reduce":
+    return reduce(xs[0], xs[1], attrs["dimensions"], attrs["gg.reduction"])
+  if name == "slice":
+    return slice_(xs[0], attrs["start_indices"], attrs["limit_indices"], attrs["strides"])
+  if name == "dynamic_slice":
+    return dynamic_slice(xs[0], xs[1:], attrs["slice_sizes"])
+  if name == "constant":
+    return np.broadcast_to(np.asarray(attrs["value"]), result_type.shape).copy()
+  if name == "concatenate":
+    return np.concatenate(xs, axis=attrs["dimension"])
+  if name == "pad":
+    return pad(xs[0], xs[1], attrs["edge_padding_low"], attrs["edge_padding_high"],
+               attrs["interior_padding"])
+  if name == "iota":
+    return iota(result_type.shape, attrs["iota_dimension"], result_type.dtype)
+  raise NotImplementedError(f"reference: op {name}")
