@@ -406,6 +406,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"egglog not importable ({e}); install the extra: pip install -e .[bench]",
           file=sys.stderr)
 
+  load_before = os.getloadavg()
   rows, agreement, skipped = [], [], []
   for layers in args.layers:
     prog = synthetic_program(layers)
@@ -452,7 +453,8 @@ def main(argv: Optional[list[str]] = None) -> int:
       kinds[f"{'present' if exp else 'absent'}:{kind}"] = kinds.get(
           f"{'present' if exp else 'absent'}:{kind}", 0) + 1
     out = {"python": platform.python_version(), "machine": platform.machine(),
-           "cpus": os.cpu_count(), "egglog_version": egglog_version, "repeat": args.repeat,
+           "cpus": os.cpu_count(), "loadavg_before_after": [load_before, os.getloadavg()],
+           "egglog_version": egglog_version, "repeat": args.repeat,
            "egglog_skipped_layers": skipped,
            "api": {e.name: e.api for e in engines}, "clarity": clar,
            "lookup_kinds_at_first_L": kinds,
