@@ -2141,7 +2141,10 @@ def _all_to_all(im, g, ins, operands):
     op = im.emit(g, "mhlo.all_to_all", ins, operands, attrs, None,
                  _collective_result_shapes(ins), canonical=False)
     return _wrap(im, g, ins, op)
-  dim = im.attr_ints(ins, "dimensions")[0]
+  dims = im.attr_ints(ins, "dimensions")
+  if len(dims) != 1 or not 0 <= dims[0] < operands[0].type.rank:
+    raise im.err(f"%{ins.name}: all-to-all needs one split dimension of its operand", ins.line)
+  dim = dims[0]
   attrs = {"split_dimension": dim, "concat_dimension": dim, "replica_groups": groups,
            "split_count": len(groups[0]) if len(groups) else 0}
   if "channel_id" in ins.attrs:
