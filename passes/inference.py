@@ -276,8 +276,9 @@ class RelationInference:
     return tuple(children)
 
   def _inits_are_identities(self, op: ir.Op, step) -> bool:
-    """A reduction split over ranks adds its init once per rank: it must be the identity."""
-    if op.name != "reduce" or not step.layout.partial:
+    """A reduction split over ranks adds its init once per rank, and a scaled
+    one adds it scaled: then it must be the identity."""
+    if op.name != "reduce" or (not step.layout.partial and step.layout.is_clean()):
       return True
     n = len(op.operands) // 2
     kind = step.layout.partial_kind

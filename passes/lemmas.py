@@ -293,6 +293,8 @@ def _reduce(op: SeqOp, ls: Sequence[Layout]):
   if n != 1:
     return
   a = ls[0]
+  if any(not l.is_full_replica() or not l.is_clean() for l in ls[n:]):
+    return  # every rank adds its own init: it must be the same whole value
   kind = op.attrs.get("gg.reduction")
   dims = op.attrs["dimensions"]
   reduced_axes = tuple(x for d in dims for x in a.dims[d])

@@ -30,6 +30,13 @@ from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
 
 
+def _flip_if_negative(l: Layout, c: float) -> Layout:
+  """max_r(c * d_r) = c * min_r(d_r) when c < 0: the combine flips, too."""
+  if c < 0 and l.partial_kind in ("max", "min"):
+    return l.with_(partial_kind={"max": "min", "min": "max"}[l.partial_kind])
+  return l
+
+
 class Transfer:
   def __init__(self, deg: DistEGraph, arith: RankArithmetic, mesh: ir.Mesh, graph: ir.Graph):
     self.deg = deg
@@ -101,6 +108,8 @@ class Transfer:
     i, j = op.attrs.get("split_dimension"), op.attrs.get("concat_dimension")
     if not axes or i is None or j is None or set(axes) & set(l.partial):
       return
+    if i == j:
+      return  # rank g gets piece g of every tile: strided, not a tile
     have = l.dims[j]
     if have[len(have) - len(axes):] != tuple(axes):
       return
@@ -144,13 +153,13 @@ class Transfer:
   def _multiply(self, op, cls, l: Layout):
     c = self._splat_operand(op, cls)
     if c:
-      yield l.scaled(1.0 / c)
+      yield _flip_if_negative(l, c).scaled(1.0 / c)
 
   def _divide(self, op, cls, l: Layout):
     if self.deg.of(op.operands[0]) == cls:
       c = self._splat_operand(op, cls)
       if c:
-        yield l.scaled(c)
+        yield _flip_if_negative(l, c).scaled(c)
 
   def _splat_operand(self, op, cls) -> Optional[float]:
     if len(op.operands) != 2 or not op.results[0].type.dtype.startswith(("f", "bf")):
@@ -177,7 +186,9 @@ class Transfer:
     for name, n in self.mesh.axes:
       c = int(poly.coeff_monomial(rank_symbol(name)))
       if c:
-        if name in used or n == 1:
+        if n == 1:
+          continue  # r is always 0 on a size-1 axis
+        if name in used:
           return None
         coeffs[name] = c
     order = sorted(coeffs, key=lambda a: -coeffs[a])

@@ -1,0 +1,616 @@
+"""Every transfer rule is sound, checked numerically on random meshes and layouts.
+
+A rule claims: if ``s ~ L of x`` and the per-device program computes
+``y = g(x)`` (a collective, a rank-dependent dynamic-slice, a product with a
+constant), then ``s ~ L' of y``.  Each test builds a tiny per-device program
+by hand (one parameter, the op, and for dynamic-slice the ``partition_id``
+arithmetic shard_map emits for ``axis_index``), asks ``Transfer.apply`` for
+``L'``, then runs the program on a random sharding of a random ``s``
+(collectives simulated over the mesh, everything else by
+``reference.evaluate``) and assembles ``y`` with ``L'``: it must give ``s``
+back.  Fixed cases at the end pin down what rules must refuse.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from graphguard_hlo import ir, reference
+from graphguard_hlo.passes.dist_egraph import DistEGraph
+from graphguard_hlo.passes.layout import Layout, assemble, shard
+from graphguard_hlo.passes.rank_arith import RankArithmetic
+from graphguard_hlo.passes.transfer import Transfer
+
+SCALES = (1.0, 0.5, 2.0, 0.25)
+KINDS = ("sum", "max", "min")
+SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- meshes, layouts, values (as in test_lemmas) -----------------------------------------
+
+@st.composite
+def meshes(draw) -> ir.Mesh:
+  n = draw(st.integers(1, 3))
+  return ir.Mesh(tuple((name, draw(st.sampled_from([1, 2, 2, 3, 4]))) for name in "xyz"[:n]))
+
+
+def tiles(mesh: ir.Mesh, axes) -> int:
+  return math.prod(mesh.axis_size(a) for a in axes)
+
+
+def draw_layout(draw, mesh: ir.Mesh, rank: int) -> Layout:
+  """Each mesh axis tiles some dim, is partial, or is replicated; random order."""
+  dims: list[list[str]] = [[] for _ in range(rank)]
+  part = []
+  for a in draw(st.permutations(mesh.axis_names)):
+    slot = draw(st.sampled_from(list(range(rank)) + ["partial", None]))
+    if slot == "partial":
+      part.append(a)
+    elif slot is not None:
+      dims[slot].append(a)
+  return Layout(tuple(map(tuple, dims)), tuple(part), draw(st.sampled_from(KINDS)),
+                draw(st.sampled_from(SCALES)))
+
+
+def draw_size(draw, n_tiles: int) -> int:
+  return n_tiles * draw(st.integers(1, max(1, 8 // n_tiles)))
+
+
+def draw_axes(draw, mesh: ir.Mesh, prefer) -> tuple[str, ...]:
+  """A non-empty ordered set of axes, mostly from ``prefer``."""
+  pool = list(prefer) if prefer and draw(st.integers(0, 4)) else list(mesh.axis_names)
+  return tuple(draw(st.lists(st.sampled_from(pool), min_size=1, max_size=len(pool),
+                             unique=True)))
+
+
+def spread_extrema(layout: Layout, mesh: ir.Mesh, local_at: dict, rng) -> dict:
+  """For max/min partial layouts make the partial pieces differ (``shard``
+  gives each piece the whole tile): one random piece per element keeps the
+  value, the others are smaller (max) or larger (min)."""
+  if not layout.partial or layout.partial_kind == "sum":
+    return local_at
+  sizes = dict(mesh.axes)
+  n_pieces = math.prod(sizes[a] for a in layout.partial)
+  sign = -1.0 if layout.partial_kind == "max" else 1.0
+  owner: dict = {}
+  noise: dict = {}
+  out = {}
+  for coord, v in local_at.items():
+    r = dict(zip(mesh.axis_names, coord))
+    tile = tuple(r[a] for axes in layout.dims for a in axes)
+    piece = 0
+    for a in layout.partial:
+      piece = piece * sizes[a] + r[a]
+    v = np.asarray(v, dtype=np.float64)
+    if tile not in owner:
+      owner[tile] = rng.integers(0, n_pieces, v.shape)
+    if (tile, piece) not in noise:
+      noise[tile, piece] = rng.uniform(0.1, 1.0, v.shape)
+    out[coord] = np.where(owner[tile] == piece, v, v + sign * noise[tile, piece])
+  return out
+
+
+# -- simulating the per-device program over the mesh ---------------------------------------
+
+def ranks(mesh: ir.Mesh):
+  return list(np.ndindex(*[n for _, n in mesh.axes]))
+
+
+def group(mesh: ir.Mesh, coord, axes) -> tuple[list[tuple[int, ...]], int]:
+  """The ranks that differ from ``coord`` only on ``axes``, in group order
+  (``axes`` major to minor, as ``gg.axes`` lists them), and coord's index."""
+  names = mesh.axis_names
+  members = []
+  for sub in itertools.product(*[range(mesh.axis_size(a)) for a in axes]):
+    c = list(coord)
+    for a, i in zip(axes, sub):
+      c[names.index(a)] = i
+    members.append(tuple(c))
+  return members, members.index(tuple(coord))
+
+
+def all_reduce(op, x, mesh):
+  fn = reference.REDUCERS[op.attrs["gg.reduction"]]
+  return {c: functools.reduce(fn, [x[m] for m in group(mesh, c, op.attrs["gg.axes"])[0]])
+          for c in x}
+
+
+def all_gather(op, x, mesh):
+  k = op.attrs["all_gather_dimension"]
+  return {c: np.concatenate([x[m] for m in group(mesh, c, op.attrs["gg.axes"])[0]], axis=k)
+          for c in x}
+
+
+def reduce_scatter(op, x, mesh):
+  out = {}
+  for c in x:
+    members, me = group(mesh, c, op.attrs["gg.axes"])
+    total = sum(x[m] for m in members)
+    out[c] = np.split(total, len(members), axis=op.attrs["scatter_dimension"])[me]
+  return out
+
+
+def all_to_all(op, x, mesh):
+  """Rank ``me`` gets piece ``me`` (along split_dimension) of every member's
+  value and concatenates them in group order along concat_dimension."""
+  i, j = op.attrs["split_dimension"], op.attrs["concat_dimension"]
+  out = {}
+  for c in x:
+    members, me = group(mesh, c, op.attrs["gg.axes"])
+    out[c] = np.concatenate([np.split(x[m], len(members), axis=i)[me] for m in members], axis=j)
+  return out
+
+
+def collective_permute(op, x, mesh):
+  """Along one axis: coordinate ``dst`` gets ``src``'s value, others get zeros.
+  Reads the raw pairs (with fixed points), not the canonical ``gg.permutation``."""
+  (axis,) = op.attrs["gg.axes"]
+  k = mesh.axis_names.index(axis)
+  src_of = {dst: src for src, dst in op.attrs["test.pairs"]}
+  out = {}
+  for c in x:
+    if c[k] in src_of:
+      out[c] = x[c[:k] + (src_of[c[k]],) + c[k + 1:]].copy()
+    else:
+      out[c] = np.zeros_like(x[c])
+  return out
+
+
+COLLECTIVES = {"all_reduce": all_reduce, "all_gather": all_gather,
+               "reduce_scatter": reduce_scatter, "all_to_all": all_to_all,
+               "collective_permute": collective_permute}
+
+
+def device_id(mesh: ir.Mesh, coord) -> int:
+  return int(mesh.devices()[tuple(coord)])
+
+
+class Program:
+  """A hand-built per-device program: parameter ``x`` and the ops added to it."""
+
+  def __init__(self, mesh: ir.Mesh, local_shape):
+    self.mesh = mesh
+    self.module = ir.Module("<test>", "stablehlo")
+    self.graph = ir.Graph("per_device")
+    self.param = self.module.new_value(ir.TensorType(tuple(local_shape), "f32"), name="x")
+    self.graph.params = [self.param]
+
+  def add(self, name: str, operands, shape, dtype: str = "f32", attrs=None) -> ir.Op:
+    return self.module.add_op(self.graph, name, list(operands),
+                              [ir.TensorType(tuple(shape), dtype)], attrs)
+
+  def const(self, value, dtype: str) -> ir.Value:
+    np_dtype = {"ui32": np.uint32, "i32": np.int32, "f32": np.float32}[dtype]
+    return self.add("constant", [], (), dtype, {"value": np.array(value, dtype=np_dtype)}).result
+
+  def axis_index(self, axis: str) -> ir.Value:
+    """``axis_index`` as shard_map lowers it: (partition_id / stride) % size, as i32."""
+    names = self.mesh.axis_names
+    stride = math.prod(n for _, n in self.mesh.axes[names.index(axis) + 1:])
+    pid = self.add("partition_id", [], (), "ui32").result
+    q = self.add("divide", [pid, self.const(stride, "ui32")], (), "ui32").result
+    r = self.add("remainder", [q, self.const(self.mesh.axis_size(axis), "ui32")], (),
+                 "ui32").result
+    return self.add("convert", [r], (), "i32").result
+
+  def transfer(self, op: ir.Op, layout: Layout) -> list[Layout]:
+    """What the rules say op's result relates by, given ``s ~ layout of x``."""
+    self.graph.results = [op.result]
+    deg = DistEGraph(self.graph)
+    rules = Transfer(deg, RankArithmetic(self.mesh), self.mesh, self.graph)
+    out = []
+    for cls, new, _ in rules.apply(op, deg.of(self.param), layout):
+      assert cls == deg.of(op.result)
+      out.append(new)
+    return out
+
+  def run(self, x_at: dict) -> dict[int, dict]:
+    """Every value at every rank."""
+    env = {self.param.id: x_at}
+    for op in self.graph.ops:
+      ins = [env[v.id] for v in op.operands]
+      if op.name in COLLECTIVES:
+        out = COLLECTIVES[op.name](op, ins[0], self.mesh)
+      elif op.name == "partition_id":
+        out = {c: np.array(device_id(self.mesh, c), np.uint32) for c in ranks(self.mesh)}
+      else:
+        out = {c: reference.evaluate(op.name, op.attrs, [x[c] for x in ins], op.result.type)
+               for c in ranks(self.mesh)}
+      env[op.result.id] = out
+    return env
+
+
+def check_rule(prog: Program, op: ir.Op, layout: Layout, value: np.ndarray, seed: int
+               ) -> list[Layout]:
+  """Every layout the rules give ``op``'s result must rebuild ``value`` from a
+  run of the program on a random sharding of ``value`` by ``layout``."""
+  mesh = prog.mesh
+  news = prog.transfer(op, layout)
+  if not news:
+    return news
+  rng = np.random.default_rng(seed)
+  x_at = spread_extrema(layout, mesh, shard(layout, mesh, value, rng), rng)
+  y_at = prog.run(x_at)[op.result.id]
+  for new in news:
+    what = f"{op.name} {op.attrs}: {layout} -> {new}, mesh {mesh.axes}, global {value.shape}"
+    assert new.local_shape(value.shape, mesh) == op.result.type.shape, what
+    try:
+      got = assemble(new, mesh, y_at)
+    except AssertionError as e:
+      raise AssertionError(f"replicas disagree: {what}") from e
+    np.testing.assert_allclose(got, value, rtol=1e-6, atol=1e-8, err_msg=what)
+  return news
+
+
+class Hits:
+  """How many examples a rule yielded on: a generator that drifts away from
+  what its rule accepts would otherwise test nothing."""
+
+  def __init__(self):
+    self.cases = self.yielded = 0
+
+  def add(self, news) -> None:
+    self.cases += 1
+    self.yielded += bool(news)
+
+  def check(self, share: float = 0.2) -> None:
+    assert self.yielded >= share * self.cases, vars(self)
+
+
+@st.composite
+def setups(draw, min_rank: int = 1):
+  """A mesh, a layout, a global shape it divides, random values and a seed."""
+  mesh = draw(meshes())
+  layout = draw_layout(draw, mesh, draw(st.integers(min_rank, 3)))
+  shape = [draw_size(draw, tiles(mesh, axes)) for axes in layout.dims]
+  seed = draw(st.integers(0, 2**32 - 1))
+  return mesh, layout, shape, seed
+
+
+def values(shape, seed) -> np.ndarray:
+  return np.random.default_rng(seed + 1).standard_normal(shape)
+
+
+def local(layout: Layout, shape, mesh) -> tuple[int, ...]:
+  out = layout.local_shape(shape, mesh)
+  assert out is not None
+  return out
+
+
+# -- collectives -------------------------------------------------------------------------
+
+def test_all_reduce():
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(min_rank=0), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    reducible = [a for a in mesh.axis_names if a not in layout.split_axes()]
+    axes = draw_axes(data.draw, mesh, reducible)
+    kind = data.draw(st.sampled_from([layout.partial_kind] * 2 + list(KINDS)))
+    lshape = local(layout, shape, mesh)
+    prog = Program(mesh, lshape)
+    op = prog.add("all_reduce", [prog.param], lshape,
+                  attrs={"gg.axes": axes, "gg.reduction": kind})
+    hits.add(check_rule(prog, op, layout, values(shape, seed), seed))
+
+  check()
+  hits.check()
+
+
+def test_all_gather():
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    k = data.draw(st.integers(0, len(shape) - 1))
+    have = layout.dims[k]
+    how = data.draw(st.sampled_from(["suffix"] * 3 + ["part", "any"]))
+    if have and how == "suffix":
+      axes = have[data.draw(st.integers(0, len(have) - 1)):]  # minor axes: gatherable
+    elif have and how == "part":
+      start = data.draw(st.integers(0, len(have) - 1))
+      axes = have[start:data.draw(st.integers(start + 1, len(have)))]
+    else:
+      axes = draw_axes(data.draw, mesh, ())
+    lshape = list(local(layout, shape, mesh))
+    prog = Program(mesh, lshape)
+    lshape[k] *= tiles(mesh, axes)
+    op = prog.add("all_gather", [prog.param], lshape,
+                  attrs={"gg.axes": axes, "all_gather_dimension": k})
+    hits.add(check_rule(prog, op, layout, values(shape, seed), seed))
+
+  check()
+  hits.check()
+
+
+def test_reduce_scatter():
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    summable = [a for a in mesh.axis_names if a not in layout.used_axes()
+                or (a in layout.partial and layout.partial_kind == "sum")]
+    axes = draw_axes(data.draw, mesh, summable)
+    k = data.draw(st.integers(0, len(shape) - 1))
+    n = tiles(mesh, axes)
+    shape[k] = tiles(mesh, layout.dims[k]) * n * data.draw(st.integers(1, 2))
+    lshape = list(local(layout, shape, mesh))
+    prog = Program(mesh, lshape)
+    lshape[k] //= n
+    op = prog.add("reduce_scatter", [prog.param], lshape,
+                  attrs={"gg.axes": axes, "scatter_dimension": k, "gg.reduction": "sum"})
+    hits.add(check_rule(prog, op, layout, values(shape, seed), seed))
+
+  check()
+  hits.check()
+
+
+def test_all_to_all():
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(min_rank=2), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    rank = len(shape)
+    tiled = [d for d, axes in enumerate(layout.dims) if axes]
+    j = data.draw(st.sampled_from(tiled if tiled else range(rank)))
+    i = data.draw(st.sampled_from([d for d in range(rank) if d != j] * 3 + [j]))
+    have = layout.dims[j]
+    if have and data.draw(st.integers(0, 4)):
+      axes = have[data.draw(st.integers(0, len(have) - 1)):]
+    else:
+      axes = draw_axes(data.draw, mesh, ())
+    n = tiles(mesh, axes)
+    if i != j:
+      shape[i] = tiles(mesh, layout.dims[i]) * n * data.draw(st.integers(1, 2))
+    elif (shape[j] // tiles(mesh, have)) % n:
+      shape[j] = tiles(mesh, have) * n * data.draw(st.integers(1, 2))
+    lshape = list(local(layout, shape, mesh))
+    prog = Program(mesh, lshape)
+    lshape[i] //= n
+    lshape[j] *= n
+    op = prog.add("all_to_all", [prog.param], lshape,
+                  attrs={"gg.axes": axes, "split_dimension": i, "concat_dimension": j})
+    hits.add(check_rule(prog, op, layout, values(shape, seed), seed))
+
+  check()
+  hits.check()
+
+
+def permute_attrs(axis: str, pairs) -> dict:
+  """Canonical attrs, as ``collectives.canonicalize_collectives`` writes them
+  (``sharding.axes_of_pairs`` drops pairs that stay in place); the raw pairs
+  go along for the simulator."""
+  moving = tuple(sorted((s, d) for s, d in pairs if s != d))
+  return {"gg.axes": (axis,), "gg.permutation": moving, "test.pairs": tuple(pairs)}
+
+
+def test_collective_permute():
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(min_rank=0), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    big = [a for a, n in mesh.axes if n > 1]
+    axis = data.draw(st.sampled_from(big or list(mesh.axis_names)))
+    if data.draw(st.integers(0, 3)):  # mostly permute along an axis x is replicated on
+      layout = Layout(tuple(tuple(a for a in axes if a != axis) for axes in layout.dims),
+                      tuple(a for a in layout.partial if a != axis), layout.partial_kind,
+                      layout.scale)
+    n = mesh.axis_size(axis)
+    how = data.draw(st.sampled_from(["shift", "shift", "shift", "any", "some"]))
+    if how == "shift":  # what ppermute rings do
+      shift = data.draw(st.integers(1, max(1, n - 1)))
+      pairs = [(s, (s + shift) % n) for s in range(n)]
+    else:
+      pairs = list(enumerate(data.draw(st.permutations(range(n)))))
+      if how == "some":  # some coordinates receive nothing
+        pairs = pairs[:data.draw(st.integers(0, n))]
+    lshape = local(layout, shape, mesh)
+    prog = Program(mesh, lshape)
+    op = prog.add("collective_permute", [prog.param], lshape, attrs=permute_attrs(axis, pairs))
+    hits.add(check_rule(prog, op, layout, values(shape, seed), seed))
+
+  check()
+  hits.check()
+
+
+# -- rank-dependent dynamic-slice ----------------------------------------------------------
+
+def slice_at_axis_index(prog: Program, sliced: list[tuple[str, ...]], sizes, bad=None) -> ir.Op:
+  """dynamic_slice(x, offsets) with offset_k = tile_index(sliced[k]) * sizes[k]
+  (``bad``: a wrong multiplier for dim ``bad``)."""
+  offsets = []
+  for k, axes in enumerate(sliced):
+    if not axes:
+      offsets.append(prog.const(0, "i32"))
+      continue
+    total = None
+    for pos, a in enumerate(axes):
+      coef = sizes[k] * tiles(prog.mesh, axes[pos + 1:]) + (1 if bad == k else 0)
+      term = prog.add("multiply", [prog.axis_index(a), prog.const(coef, "i32")], (), "i32").result
+      total = term if total is None else prog.add("add", [total, term], (), "i32").result
+    offsets.append(total)
+  return prog.add("dynamic_slice", [prog.param] + offsets, sizes,
+                  attrs={"slice_sizes": tuple(sizes)})
+
+
+def test_dynamic_slice_at_axis_index():
+  """A replica (or any layout) sliced at r_axis * size becomes a tile over axis;
+  with well-formed offsets over unused axes the rule must find exactly that."""
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    unused = [a for a, n in mesh.axes if a not in layout.used_axes() and n > 1]
+    sliced: list[tuple[str, ...]] = [() for _ in shape]
+    for a in data.draw(st.permutations(unused)):
+      slot = data.draw(st.sampled_from(list(range(len(shape))) + [None]))
+      if slot is not None:
+        sliced[slot] += (a,)
+    well_formed = data.draw(st.integers(0, 5)) > 0
+    if not well_formed:  # an axis the value already uses, or size 1
+      k = data.draw(st.integers(0, len(shape) - 1))
+      sliced[k] += (data.draw(st.sampled_from(mesh.axis_names)),)
+      if len(set(sliced[k])) < len(sliced[k]):
+        sliced[k] = sliced[k][:-1]
+    for k, axes in enumerate(sliced):
+      shape[k] = tiles(mesh, layout.dims[k]) * tiles(mesh, axes) * data.draw(st.integers(1, 2))
+    lshape = local(layout, shape, mesh)
+    sizes = [n // tiles(mesh, axes) for n, axes in zip(lshape, sliced)]
+    bad = None
+    if well_formed and any(sliced) and data.draw(st.integers(0, 4)) == 0:
+      bad, well_formed = data.draw(st.sampled_from([k for k, a in enumerate(sliced) if a])), False
+    prog = Program(mesh, lshape)
+    op = slice_at_axis_index(prog, sliced, sizes, bad)
+    news = check_rule(prog, op, layout, values(shape, seed), seed)
+    if well_formed:
+      expect = layout.with_(dims=tuple(d + s for d, s in zip(layout.dims, sliced)))
+      assert news == [expect], (news, expect)
+    hits.add(news)
+
+  check()
+  hits.check()
+
+
+# -- products with constants ----------------------------------------------------------------
+
+def times_constant(prog: Program, c: float, form: str) -> ir.Op:
+  """``x * c``, ``c * x``, ``x / c`` or ``c / x`` with ``c`` a broadcast scalar."""
+  shape = prog.param.type.shape
+  splat = prog.add("broadcast_in_dim", [prog.const(c, "f32")], shape,
+                   attrs={"broadcast_dimensions": ()}).result
+  x = prog.param
+  name, operands = {"x*c": ("multiply", [x, splat]), "c*x": ("multiply", [splat, x]),
+                    "x/c": ("divide", [x, splat]), "c/x": ("divide", [splat, x])}[form]
+  return prog.add(name, operands, shape)
+
+
+def test_multiply_and_divide_by_constant():
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(min_rank=0), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    form = data.draw(st.sampled_from(["x*c", "c*x", "x/c", "c/x"]))
+    cs = [2.0, 0.5, -1.0, -3.0, 0.25, 10.0, 0.1] + ([0.0] if "*" in form else [])
+    c = data.draw(st.sampled_from(cs))
+    prog = Program(mesh, local(layout, shape, mesh))
+    op = times_constant(prog, c, form)
+    news = check_rule(prog, op, layout, values(shape, seed), seed)
+    assert not (news and (form == "c/x" or c == 0.0)), news
+    hits.add(news)
+
+  check()
+  hits.check()
+
+
+# -- what rules must refuse ---------------------------------------------------------------
+
+MESH = ir.Mesh((("x", 2), ("y", 2)))
+
+
+def test_all_reduce_over_a_split_axis_yields_nothing():
+  """Summing different tiles is no relation at all."""
+  prog = Program(MESH, (2, 4))
+  op = prog.add("all_reduce", [prog.param], (2, 4), attrs={"gg.axes": ("x",), "gg.reduction": "sum"})
+  assert prog.transfer(op, Layout((("x",), ()))) == []
+
+
+def test_all_reduce_max_of_partial_sum_yields_nothing():
+  prog = Program(MESH, (2, 4))
+  op = prog.add("all_reduce", [prog.param], (2, 4), attrs={"gg.axes": ("x",), "gg.reduction": "max"})
+  assert prog.transfer(op, Layout(((), ()), ("x",))) == []
+
+
+def test_all_gather_of_an_unsplit_dim_yields_nothing():
+  prog = Program(MESH, (2, 4))
+  op = prog.add("all_gather", [prog.param], (2, 8),
+                attrs={"gg.axes": ("x",), "all_gather_dimension": 1})
+  assert prog.transfer(op, Layout((("x",), ()))) == []
+  assert prog.transfer(op, Layout(((), ()))) == []
+
+
+def test_all_gather_of_the_major_axis_only_yields_nothing():
+  """dim 0 is split x-major, y-minor: gathering over x alone leaves y tiles
+  interleaved, not a coarser tiling."""
+  prog = Program(MESH, (2, 4))
+  op = prog.add("all_gather", [prog.param], (4, 4),
+                attrs={"gg.axes": ("x",), "all_gather_dimension": 0})
+  assert prog.transfer(op, Layout((("x", "y"), ()))) == []
+
+
+def test_all_to_all_within_one_dim_yields_nothing():
+  """Split and concat on dim 0 over x: rank 0 gets [s0, s2] of [s0, s1, s2, s3],
+  a strided pick, not a tile."""
+  prog = Program(ir.Mesh((("x", 2),)), (2,))
+  op = prog.add("all_to_all", [prog.param], (2,),
+                attrs={"gg.axes": ("x",), "split_dimension": 0, "concat_dimension": 0})
+  assert prog.transfer(op, Layout((("x",),))) == []
+
+
+def test_collective_permute_on_a_split_axis_yields_nothing():
+  prog = Program(MESH, (2, 4))
+  op = prog.add("collective_permute", [prog.param], (2, 4),
+                attrs=permute_attrs("x", [(0, 1), (1, 0)]))
+  assert prog.transfer(op, Layout((("x",), ()))) == []
+  assert prog.transfer(op, Layout(((), ()), ("x",))) == []
+
+
+def test_collective_permute_of_a_replica_is_a_replica():
+  prog = Program(MESH, (2, 4))
+  op = prog.add("collective_permute", [prog.param], (2, 4),
+                attrs=permute_attrs("x", [(0, 1), (1, 0)]))
+  assert prog.transfer(op, Layout((("y",), ()))) == [Layout((("y",), ()))]
+
+
+def test_dynamic_slice_with_a_wrong_stride_yields_nothing():
+  prog = Program(MESH, (8, 4))
+  op = slice_at_axis_index(prog, [("x",), ()], [4, 4], bad=0)
+  assert prog.transfer(op, Layout(((), ()))) == []
+
+
+def test_dynamic_slice_over_a_used_axis_yields_nothing():
+  prog = Program(MESH, (8, 4))
+  op = slice_at_axis_index(prog, [("x",), ()], [4, 4])
+  assert prog.transfer(op, Layout(((), ()), ("x",))) == []
+  assert prog.transfer(op, Layout(((), ("x",)))) == []
+
+
+def test_dynamic_slice_at_axis_index_tiles_a_replica():
+  prog = Program(MESH, (8, 4))
+  op = slice_at_axis_index(prog, [("x", "y"), ()], [2, 4])
+  assert prog.transfer(op, Layout(((), ()))) == [Layout((("x", "y"), ()))]
+  check_rule(prog, op, Layout(((), ())), values((8, 4), 0), 0)
+
+
+def test_constant_divided_by_value_yields_nothing():
+  prog = Program(MESH, (2, 4))
+  assert prog.transfer(times_constant(prog, 2.0, "c/x"), Layout(((), ()))) == []
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_negative_constant_turns_partial_max_into_min(kind):
+  """-1 * max_r(d_r) = min_r(-d_r): the combine flips, it is not just a scale."""
+  prog = Program(MESH, (2, 4))
+  op = times_constant(prog, -1.0, "x*c")
+  layout = Layout(((), ()), ("x",), kind)
+  check_rule(prog, op, layout, values((2, 4), 0), 0)
