@@ -78,6 +78,25 @@ class Result:
   def refines(self) -> bool:
     return self.verdict == "refines"
 
+  def __repr__(self) -> str:
+    if self.refines:
+      outs = ", ".join(f"out{o.index} = {o.relation}" for o in self.outputs)
+      return f"<refines: {outs}>"
+    f = self.failure
+    return f"<not proved at {f.op_name} ({f.location}): {f.diagnosis}>"
+
+  def _repr_html_(self) -> str:
+    import html
+    if self.refines:
+      rows = "".join(f"<li><code>out{o.index} = {html.escape(o.relation)}</code></li>"
+                     for o in self.outputs)
+      return f"<b style='color:#1a7f37'>refines</b><ul>{rows}</ul>"
+    f = self.failure
+    ins = "".join(f"<li><code>{html.escape(n)}</code>: {html.escape('; '.join(r) or 'no relation')}</li>"
+                  for n, r in f.inputs)
+    return (f"<b style='color:#cf222e'>not proved</b> at <code>{html.escape(f.op_name)}</code> "
+            f"({html.escape(str(f.location))})<br>{html.escape(f.diagnosis)}<ul>{ins}</ul>")
+
   def to_json(self) -> dict:
     return {"verdict": self.verdict,
             "outputs": [{"index": o.index, "relation": o.relation} for o in self.outputs],

@@ -1,0 +1,94 @@
+"""The Python front door: verify JAX functions or module files, in code and in tests.
+
+    import graphguard_hlo as gg
+    result = gg.verify(mlp, mlp_tp, x, w1, w2, mesh=mesh, in_specs=(P(), P(None, "tp"), P("tp")))
+    result            # reads as a report in a REPL or notebook
+    gg.assert_refines(mlp, mlp_tp, x, w1, w2, mesh=mesh, in_specs=...)   # in your own CI
+
+Arguments may be arrays or ``jax.ShapeDtypeStruct``s: only shapes, dtypes and
+shardings are used, nothing is run or allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes.inference import Result
+
+
+def _abstract_args(args: Sequence[Any], mesh, in_specs) -> list:
+  import jax
+  from jax.sharding import NamedSharding
+  out = []
+  for i, a in enumerate(args):
+    sharding = getattr(a, "sharding", None)
+    if in_specs is not None:
+      if mesh is None:
+        raise ValueError("in_specs needs mesh=")
+      sharding = NamedSharding(mesh, in_specs[i])
+    if sharding is not None and not hasattr(sharding, "mesh"):
+      sharding = None
+    out.append(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding))
+  return out
+
+
+def _input_layouts(relation: Optional[str], seq: ir.Module, program) -> Optional[list]:
+  if relation is None:
+    return None
+  from graphguard_hlo.relation_file import merge_layouts, parse_relation_file
+  given = parse_relation_file("<relation>", relation, [p.type.rank for p in seq.main.params],
+                              list(program.mesh.axis_names))
+  return merge_layouts(program.param_layouts, given)
+
+
+def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_specs=None,
+           out_specs=None, relation: Optional[str] = None) -> Result:
+  """Prove ``dist_fn`` (a shard_map, or any jittable function whose arguments carry
+  shardings) refines ``seq_fn`` on arguments shaped like ``example_args``.
+
+  ``in_specs``/``out_specs``: PartitionSpecs over ``mesh`` for the distributed
+  arguments/results (alternatively give arguments with ``.sharding``).
+  ``relation``: explicit input layouts in the relation-file syntax (README).
+  """
+  from graphguard_hlo.lowering import lower_distributed, lower_sequential
+  from graphguard_hlo.passes.inference import verify_programs
+  from graphguard_hlo.pipeline import prepare_dist, prepare_seq
+  dist_args = _abstract_args(example_args, mesh, in_specs)
+  out_shardings = None
+  if out_specs is not None:
+    from jax.sharding import NamedSharding
+    import jax
+    out_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs,
+                                 is_leaf=lambda s: s is None or type(s).__name__ == "PartitionSpec")
+  seq = prepare_seq(lower_sequential(seq_fn, *example_args, name=_name(seq_fn)))
+  dist = lower_distributed(dist_fn, *dist_args, out_shardings=out_shardings,
+                           name=_name(dist_fn))
+  program = prepare_dist(dist)
+  return verify_programs(seq, program, _input_layouts(relation, seq, program))
+
+
+def verify_files(seq_path: str, dist_path: str, relation: Optional[str] = None,
+                 num_partitions: Optional[int] = None) -> Result:
+  """Like ``gg-hlo-verify SEQ DIST``; ``relation`` is relation-file text."""
+  from graphguard_hlo.loaders import load_module
+  from graphguard_hlo.passes.inference import verify_programs
+  from graphguard_hlo.pipeline import prepare_dist, prepare_seq
+  seq = prepare_seq(load_module(seq_path))
+  program = prepare_dist(load_module(dist_path), num_partitions)
+  return verify_programs(seq, program, _input_layouts(relation, seq, program))
+
+
+def assert_refines(seq_fn: Callable, dist_fn: Callable, *example_args, **kw) -> Result:
+  """``verify`` for tests: fails with the localized report when not proved."""
+  __tracebackhide__ = True  # pytest shows the report, not this frame
+  result = verify(seq_fn, dist_fn, *example_args, **kw)
+  if not result.refines:
+    from graphguard_hlo.report import to_text
+    raise AssertionError("distributed program not proved to refine the sequential one\n"
+                         + to_text(result, _name(seq_fn), _name(dist_fn)))
+  return result
+
+
+def _name(fn) -> str:
+  return f"<{getattr(fn, '__name__', type(fn).__name__)}>"

@@ -1,0 +1,61 @@
+"""The Python API on JAX functions: proved, not proved, and the pytest helper."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import shard_map
+from jax.sharding import Mesh, PartitionSpec as P
+
+import graphguard_hlo as gg
+
+MESH = Mesh(np.array(jax.devices()[:4]), ("tp",))
+ARGS = [jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 32), jnp.float32),
+        jax.ShapeDtypeStruct((32, 16), jnp.float32)]
+SPECS = (P(), P(None, "tp"), P("tp", None))
+
+
+def mlp(x, w1, w2):
+  return jnp.tanh(x @ w1) @ w2
+
+
+def _tp(reduce):
+  def body(x, w1, w2):
+    return reduce(jnp.tanh(x @ w1) @ w2)
+  return shard_map(body, mesh=MESH, in_specs=SPECS, out_specs=P(), check_vma=False)
+
+
+def test_shard_map_is_proved_and_reads_well():
+  result = gg.verify(mlp, _tp(lambda y: jax.lax.psum(y, "tp")), *ARGS, mesh=MESH,
+                     in_specs=SPECS)
+  assert result.refines
+  assert repr(result) == "<refines: out0 = replica(out0@r)>"
+  assert "refines" in result._repr_html_()
+
+
+def test_gspmd_is_proved_from_specs():
+  result = gg.verify(mlp, mlp, *ARGS, mesh=MESH, in_specs=SPECS, out_specs=P())
+  assert result.refines, result
+
+
+def test_pmean_reported_with_location():
+  result = gg.verify(mlp, _tp(lambda y: jax.lax.pmean(y, "tp")), *ARGS, mesh=MESH,
+                     in_specs=SPECS)
+  assert not result.refines
+  assert "pmean where psum belongs" in result.failure.diagnosis
+  assert repr(result).startswith("<not proved at output (")
+  assert "test_api.py" in str(result.failure.location)
+
+
+def test_assert_refines_fails_with_the_report():
+  gg.assert_refines(mlp, _tp(lambda y: jax.lax.psum(y, "tp")), *ARGS, mesh=MESH,
+                    in_specs=SPECS)
+  with pytest.raises(AssertionError, match="missing all-reduce|never reduced"):
+    gg.assert_refines(lambda x, w1, w2: jnp.tanh(mlp(x, w1, w2)),
+                      _tp(lambda y: jnp.tanh(y)), *ARGS, mesh=MESH, in_specs=SPECS)
+
+
+def test_verify_files_with_relation_text():
+  td = "testdata/tp_mlp__shard_map__ok"
+  assert gg.verify_files(f"{td}/seq.mlir", f"{td}/dist.mlir",
+                         relation="1: dim1=tp\n3: dim0=tp\n").refines
