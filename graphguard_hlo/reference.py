@@ -147,6 +147,16 @@ def dynamic_slice(x: np.ndarray, offsets: Sequence[np.ndarray], sizes: Sequence[
   return x[tuple(slice(s, s + k) for s, k in zip(starts, sizes))].copy()
 
 
+def dynamic_update_slice(x: np.ndarray, update: np.ndarray, offsets: Sequence[np.ndarray]
+                         ) -> np.ndarray:
+  """Offsets are clamped so the update stays in bounds, as in StableHLO."""
+  starts = [min(max(int(np.asarray(o).item()), 0), n - k)
+            for o, n, k in zip(offsets, x.shape, update.shape)]
+  out = x.copy()
+  out[tuple(slice(s, s + k) for s, k in zip(starts, update.shape))] = update
+  return out
+
+
 def pad(x: np.ndarray, value: np.ndarray, low: Sequence[int], high: Sequence[int],
         interior: Sequence[int]) -> np.ndarray:
   """Interior padding between elements, then edge padding (negative edges crop)."""
@@ -209,6 +219,8 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
     return slice_(xs[0], attrs["start_indices"], attrs["limit_indices"], attrs["strides"])
   if name == "dynamic_slice":
     return dynamic_slice(xs[0], xs[1:], attrs["slice_sizes"])
+  if name == "dynamic_update_slice":
+    return dynamic_update_slice(xs[0], xs[1], xs[2:])
   if name == "constant":
     return np.broadcast_to(np.asarray(attrs["value"]), result_type.shape).copy()
   if name == "concatenate":

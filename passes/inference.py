@@ -113,10 +113,12 @@ def _value_name(v: Optional[ir.Value]) -> str:
 
 class RelationInference:
   def __init__(self, seq: ir.Module, dist: DistProgram,
-               input_layouts: Optional[list[Layout]] = None):
+               input_layouts: Optional[list[Layout]] = None,
+               seq_graph: Optional[ir.Graph] = None):
     self.seq_module = seq
-    self.seq = seq.main
+    self.seq = seq_graph or seq.main
     self.dist = dist
+    self.loop_failure: Optional[Failure] = None
     self.mesh = dist.mesh
     self.deg = DistEGraph(dist.graph)
     self.users = op_users(dist.graph, self.deg)
@@ -151,22 +153,38 @@ class RelationInference:
 
   # -- driver ------------------------------------------------------------------
   def run(self) -> Result:
-    seq, dist = self.seq, self.dist.graph
     self._bind_inputs()
+    failure = self.walk_ops()
+    if failure is not None:
+      return Result("not_proved", [], failure, self._stats(self.processed))
+    return self._check_outputs(self.processed)
+
+  def walk_ops(self) -> Optional[Failure]:
+    """Relate every live op in order; the first op left without a relation fails."""
+    from graphguard_hlo.passes.diagnose import diagnose_op
     live = _live_ops(self.seq)
-    processed = 0
-    for op in seq.ops:
+    self.processed = 0
+    for op in self.seq.ops:
       if id(op) not in live:
         continue
-      processed += 1
+      self.processed += 1
       self._step(op)
       unrelated = [r for r in op.results if r.id not in self.splats
                    and not self.relations.get(r.id)]
+      if unrelated and op.name == "while" and self.loop_failure is not None:
+        return self.loop_failure
       if unrelated:
-        from graphguard_hlo.passes.diagnose import diagnose_op
-        failure = diagnose_op(self, op)
-        return Result("not_proved", [], failure, self._stats(processed))
-    return self._check_outputs(processed)
+        return diagnose_op(self, op)
+    return None
+
+  def relates(self, s: ir.Value, d: ir.Value, layout: Layout) -> bool:
+    """Is ``s ~ layout of d`` known (splats: d is the same splat)?"""
+    if s.id in self.splats:
+      local = layout.local_shape(s.shape, self.mesh)
+      return local is not None and self.deg.lookup_splat(
+          self.splats[s.id], ir.TensorType(local, s.type.dtype)) == self.deg.of(d)
+    target = self.deg.of(d)
+    return any(r.cls == target and r.layout == layout for r in self.relations.get(s.id, []))
 
   def _stats(self, processed: int) -> dict:
     return {"seq_ops": len(self.seq.ops), "seq_ops_checked": processed,
@@ -193,6 +211,11 @@ class RelationInference:
       self.add_relation(s, Relation(self.deg.of(d), layout, "input"))
 
   def _step(self, op: ir.Op) -> None:
+    if op.name == "while":
+      from graphguard_hlo.passes.loops import prove_loop
+      for result, rel in prove_loop(self, op):
+        self.add_relation(result, rel)
+      return
     if len(op.results) == 1:
       splat = terms.splat_value(op.results[0])
       if splat is not None:

@@ -358,6 +358,44 @@ def _pad(op: SeqOp, ls: Sequence[Layout]):
   yield op.attrs, a
 
 
+def _dynamic_slice(op: SeqOp, ls: Sequence[Layout]):
+  """dynamic_slice(concat(a_r,k), i) = concat(dynamic_slice(a_r, i), k) when dim k
+  is taken whole (its start is then clamped to 0 on every rank) and the start
+  indices are whole replicas (the same on every rank)."""
+  a, *offsets = ls
+  if any(not o.is_full_replica() or not o.is_clean() for o in offsets):
+    return
+  shape = op.operand_types[0].shape
+  local = a.local_shape(shape, op.mesh)
+  if local is None:
+    return
+  sizes = list(op.attrs["slice_sizes"])
+  for d, axes in enumerate(a.dims):
+    if axes:
+      if sizes[d] != shape[d]:
+        return
+      sizes[d] = local[d]
+  yield {"slice_sizes": tuple(sizes)}, a
+
+
+def _dynamic_update_slice(op: SeqOp, ls: Sequence[Layout]):
+  """dus(concat(a_r,k), concat(u_r,k), i) = concat(dus(a_r, u_r, i), k) when the
+  update covers tiled dims whole (start clamped to 0) and is tiled alike; linear
+  in (a, u) together, so equal partial sums and scales carry through."""
+  a, u, *offsets = ls
+  if any(not o.is_full_replica() or not o.is_clean() for o in offsets):
+    return
+  if u.dims != a.dims or u.partial != a.partial or u.partial_kind != a.partial_kind \
+      or not scales_equal(u.scale, a.scale):
+    return
+  shape, ushape = op.operand_types[0].shape, op.operand_types[1].shape
+  if any(axes and ushape[d] != shape[d] for d, axes in enumerate(a.dims)):
+    return
+  if a.partial and a.partial_kind != "sum":
+    return
+  yield op.attrs, a
+
+
 def _replicas(op: SeqOp, ls: Sequence[Layout]):
   """f(x) = f(x): any op, opaque or not, on whole unscaled replicas gives a whole
   replica.  This is the only lemma unknown ops get."""
@@ -397,6 +435,12 @@ LEMMAS: tuple[Lemma, ...] = (
     Lemma("concatenate-other-dim", frozenset({"concatenate"}),
           "concat(concat(a_r,j), concat(b_r,j), k) = concat(concat(a_r,b_r,k), j)",
           _concatenate),
+    Lemma("dynamic-slice-untiled-dims", frozenset({"dynamic_slice"}),
+          "dynamic_slice(concat(a_r,k), i) = concat(dynamic_slice(a_r, i), k) if dim k "
+          "is whole", _dynamic_slice),
+    Lemma("dynamic-update-slice-untiled-dims", frozenset({"dynamic_update_slice"}),
+          "dus(concat(a_r,k), concat(u_r,k), i) = concat(dus(a_r,u_r,i), k) if u covers "
+          "dim k", _dynamic_update_slice),
     Lemma("pad-untiled-dims", frozenset({"pad"}), "pad(concat(a_r,k)) = concat(pad(a_r),k) "
           "if dim k is not padded", _pad),
 )

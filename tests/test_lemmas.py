@@ -522,7 +522,45 @@ def pad(draw, mesh, seed):
   return Case(seq_op("pad", attrs, [x, value], out, mesh), [a, v], [x, value], seed)
 
 
+def _offsets(draw, shape, sizes, layout_of_offset):
+  """Start indices as rank-0 values, sometimes out of bounds (StableHLO clamps)."""
+  values = [np.array(float(draw(st.integers(-1, n - k + 1)))) for n, k in zip(shape, sizes)]
+  return values, [layout_of_offset(draw) for _ in values]
+
+
+def _offset_layout(draw):
+  return draw(st.sampled_from([Layout.replicated(0)] * 4 + [Layout((), ("x",)),
+                                                           Layout((), (), "sum", 2.0)]))
+
+
+@st.composite
+def dynamic_slice_(draw, mesh, seed):
+  a = draw_layout(draw, mesh, draw(st.integers(1, 3)))
+  x = random_values(np.random.default_rng(seed), draw_shape(draw, mesh, a))
+  sizes = [n if (axes and draw(st.integers(0, 3))) else draw(st.integers(1, n))
+           for n, axes in zip(x.shape, a.dims)]
+  offs, off_layouts = _offsets(draw, x.shape, sizes, _offset_layout)
+  op = seq_op("dynamic_slice", {"slice_sizes": tuple(sizes)}, [x] + offs, sizes, mesh)
+  return Case(op, [a] + off_layouts, [x] + offs, seed)
+
+
+@st.composite
+def dynamic_update_slice_(draw, mesh, seed):
+  a = draw_layout(draw, mesh, draw(st.integers(1, 3)))
+  rng = np.random.default_rng(seed)
+  x = random_values(rng, draw_shape(draw, mesh, a))
+  ushape = [n if (axes and draw(st.integers(0, 3))) else draw(st.integers(1, n))
+            for n, axes in zip(x.shape, a.dims)]
+  u = random_values(rng, ushape)
+  offs, off_layouts = _offsets(draw, x.shape, ushape, _offset_layout)
+  ul = nearby(draw, mesh, a, p_keep=0.8)
+  op = seq_op("dynamic_update_slice", {}, [x, u] + offs, x.shape, mesh)
+  return Case(op, [a, ul] + off_layouts, [x, u] + offs, seed)
+
+
 GENERATORS = {
+    "dynamic-slice-untiled-dims": dynamic_slice_,
+    "dynamic-update-slice-untiled-dims": dynamic_update_slice_,
     "elementwise-over-tiles": elementwise_over_tiles,
     "linear-over-partial-sum": linear_over_partial_sum,
     "product-with-partial-sum": product_with_partial_sum,

@@ -135,7 +135,8 @@ class _Importer:
       if full in _TERMINATORS:
         g.results = operands
         continue
-      name = full.removeprefix("stablehlo.").removeprefix("func.")
+      # mhlo ops left by XLA's converter (mhlo.copy, ...) go by their plain names.
+      name = full.removeprefix("stablehlo.").removeprefix("func.").removeprefix("mhlo.")
       attrs = _attr_map(op.attributes)
       regions = [self._import_region(r, f"{name}.r{i}") for i, r in enumerate(op.regions)]
       name, attrs = _canonicalize(name, attrs, operands, self.module)
