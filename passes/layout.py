@@ -10,8 +10,9 @@ per-device program (``d@r`` is its value at rank ``r``, a mesh coordinate),
 where ``tile(S, r)`` is the block of ``S`` whose index along dimension ``i`` is
 the mixed-radix number formed by ``r``'s coordinates on the axes ``dims[i]``
 (major to minor).  Mesh axes that appear in neither ``dims`` nor ``partial`` are
-replicated: since the equation holds at every rank, ``d`` is the same along
-them.  The clean expression this stands for is concat-over-ranks (``dims``),
+replicated: ``d@r`` itself (each summand, not only the sum) is the same along
+them.  That stronger reading is what ``shard`` builds and what every rule
+keeps; an all-reduce max over a replicated axis of a partial sum relies on it.  The clean expression this stands for is concat-over-ranks (``dims``),
 sum-over-ranks (``partial``) and pick-one-replica (the rest); ``scale`` other
 than 1 is never clean, it is kept only to say *how* an output is wrong.
 """

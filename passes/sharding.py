@@ -265,6 +265,7 @@ def axes_of_pairs(pairs: Sequence[tuple[int, int]], mesh: Mesh
   names = mesh.axis_names
   axis = None
   perm: dict[int, int] = {}
+  fixed: list[tuple] = []
   for src, dst in pairs:
     a, b = coord_of.get(src), coord_of.get(dst)
     if a is None or b is None:
@@ -272,6 +273,9 @@ def axes_of_pairs(pairs: Sequence[tuple[int, int]], mesh: Mesh
     diff = [i for i in range(len(names)) if a[i] != b[i]]
     if len(diff) > 1:
       return None
+    if not diff:  # a rank keeping its own value: a fixed point of the permutation
+      fixed.append(a)
+      continue
     if diff:
       if axis is None:
         axis = diff[0]
@@ -282,4 +286,8 @@ def axes_of_pairs(pairs: Sequence[tuple[int, int]], mesh: Mesh
       perm[a[axis]] = b[axis]
   if axis is None:
     return None
+  for a in fixed:
+    if perm.get(a[axis], a[axis]) != a[axis]:
+      return None
+    perm[a[axis]] = a[axis]
   return names[axis], perm

@@ -120,3 +120,11 @@ def test_gspmd_offset_table_lookup():
   looked2 = m.add_op(g, "dynamic_slice", [table2, pid], [ir.TensorType((1,), "i32")],
                      {"slice_sizes": (1,)}).result
   assert RankArithmetic(mesh).value(looked2) is None
+
+
+def test_collective_permute_with_fixed_points_is_a_full_permutation():
+  mesh = ir.Mesh((("x", 4),))
+  assert shd.axes_of_pairs([(0, 0), (1, 2), (2, 1), (3, 3)], mesh) == (
+      "x", {0: 0, 1: 2, 2: 1, 3: 3})
+  # A rank sending to two places is no permutation.
+  assert shd.axes_of_pairs([(0, 1), (0, 2)], mesh) is None
