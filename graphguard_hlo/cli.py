@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--num-partitions", type=int, metavar="N",
                  help="partition count, when DIST does not record it")
   p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+  p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report: "
+                 "the verdict and the sequential graph around the failure")
   return p
 
 
@@ -47,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(args) -> int:
   from graphguard_hlo import report
   from graphguard_hlo.loaders import load_module
-  from graphguard_hlo.passes.inference import verify_programs
+  from graphguard_hlo.passes.inference import RelationInference
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
   from graphguard_hlo.relation_file import merge_layouts, parse_relation_file
 
@@ -70,13 +72,17 @@ def _run(args) -> int:
     given = parse_relation_file(args.relation, text, [p.type.rank for p in seq.main.params],
                                 list(program.mesh.axis_names))
     layouts = merge_layouts(layouts, given)
-  result = verify_programs(seq, program, layouts)
+  inference = RelationInference(seq, program, layouts)  # kept: the HTML report reads it
+  result = inference.run()
   if args.format == "json":
     print(report.to_json(result))
   elif args.quiet:
     print(report.to_text(result, args.seq, args.dist).splitlines()[0])
   else:
     print(report.to_text(result, args.seq, args.dist))
+  if args.html:
+    from graphguard_hlo import html_report
+    html_report.write_html(args.html, result, seq.main, inference, args.seq, args.dist)
   return EXIT_REFINES if result.refines else EXIT_NOT_PROVED
 
 
