@@ -50,6 +50,7 @@ def _run(args) -> int:
   from graphguard_hlo import report
   from graphguard_hlo.loaders import load_module
   from graphguard_hlo.passes.inference import RelationInference
+  from graphguard_hlo.progress import Progress
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
   from graphguard_hlo.relation_file import merge_layouts, parse_relation_file
 
@@ -73,7 +74,12 @@ def _run(args) -> int:
                                 list(program.mesh.axis_names))
     layouts = merge_layouts(layouts, given)
   inference = RelationInference(seq, program, layouts)  # kept: the HTML report reads it
-  result = inference.run()
+  progress = Progress(len(seq.main.ops), enabled=False if args.quiet else None)
+  inference.on_progress = progress.update
+  try:
+    result = inference.run()
+  finally:
+    progress.close()
   if args.format == "json":
     print(report.to_json(result))
   elif args.quiet:

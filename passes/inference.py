@@ -119,6 +119,7 @@ class RelationInference:
     self.seq = seq_graph or seq.main
     self.dist = dist
     self.loop_failure: Optional[Failure] = None
+    self.on_progress = None  # called with the number of ops done, for progress bars
     self.mesh = dist.mesh
     self.deg = DistEGraph(dist.graph)
     self.users = op_users(dist.graph, self.deg)
@@ -169,6 +170,8 @@ class RelationInference:
         continue
       self.processed += 1
       self._step(op)
+      if self.on_progress is not None:
+        self.on_progress(self.processed)
       unrelated = [r for r in op.results if r.id not in self.splats
                    and not self.relations.get(r.id)]
       if unrelated and op.name == "while" and self.loop_failure is not None:
