@@ -29,6 +29,12 @@ def to_text(result: Result, seq_path: str, dist_path: str) -> str:
       lines.append(f"  output {o.index} = {o.relation}")
     lines.append(f"{dist_path}: not proved to refine {seq_path}")
   s = result.stats
+  opaque = list(dict.fromkeys(s.get("opaque_ops", [])))
+  for note in opaque[:10]:
+    lines.append(f"  note: unsupported op treated as opaque (related only on whole replicas): "
+                 f"{note}")
+  if len(opaque) > 10:
+    lines.append(f"  note: ... and {len(opaque) - 10} more opaque ops")
   if s:
     lines.append(f"  ({s.get('seq_ops_checked', 0)} sequential ops checked against "
                  f"{s.get('dist_ops', 0)} per-device ops, mesh {s.get('mesh')})")
@@ -36,4 +42,6 @@ def to_text(result: Result, seq_path: str, dist_path: str) -> str:
 
 
 def to_json(result: Result) -> str:
-  return json.dumps(result.to_json(), indent=2)
+  doc = result.to_json()
+  doc["notes"] = [f"opaque: {o}" for o in dict.fromkeys(result.stats.get("opaque_ops", []))]
+  return json.dumps(doc, indent=2)

@@ -31,7 +31,7 @@ from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.dist_program import DistProgram
 from graphguard_hlo.passes.layout import Layout
-from graphguard_hlo.passes.lemmas import ELEMENTWISE, SeqOp, apply_lemmas
+from graphguard_hlo.passes.lemmas import ELEMENTWISE, SeqOp, apply_lemmas, is_modelled
 from graphguard_hlo.passes.rank_arith import RankArithmetic
 from graphguard_hlo.passes.transfer import Transfer
 
@@ -119,6 +119,7 @@ class RelationInference:
     self.seq = seq_graph or seq.main
     self.dist = dist
     self.loop_failure: Optional[Failure] = None
+    self.opaque_ops: list[ir.Op] = []  # ops only known as opaque functions
     self.on_progress = None  # called with the number of ops done, for progress bars
     self.mesh = dist.mesh
     self.deg = DistEGraph(dist.graph)
@@ -169,6 +170,8 @@ class RelationInference:
       if id(op) not in live:
         continue
       self.processed += 1
+      if not is_modelled(op.name):
+        self.opaque_ops.append(op)
       self._step(op)
       if self.on_progress is not None:
         self.on_progress(self.processed)
@@ -190,7 +193,8 @@ class RelationInference:
     return any(r.cls == target and r.layout == layout for r in self.relations.get(s.id, []))
 
   def _stats(self, processed: int) -> dict:
-    return {"seq_ops": len(self.seq.ops), "seq_ops_checked": processed,
+    return {"opaque_ops": [f"{op.name} at {op.location}" for op in self.opaque_ops],
+            "seq_ops": len(self.seq.ops), "seq_ops_checked": processed,
             "dist_ops": len(self.dist.graph.ops), "egraph_nodes": len(self.deg.eg),
             "lookups": self.lookups, "mesh": dict(self.mesh.axes)}
 

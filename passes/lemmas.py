@@ -448,6 +448,14 @@ REPLICA_LEMMA = Lemma("identical-on-replicas", frozenset(), "f(x) = f(x) on whol
                       _replicas)
 
 
+MODELLED_ELSEWHERE = frozenset({"constant", "while"})  # splats; loops.py
+
+
+def is_modelled(name: str) -> bool:
+  """Has this op more than the replica lemma (is it more than an opaque function)?"""
+  return name in MODELLED_ELSEWHERE or any(name in l.ops for l in LEMMAS)
+
+
 def lemmas_for(name: str) -> list[Lemma]:
   return [l for l in LEMMAS if name in l.ops] + [REPLICA_LEMMA]
 

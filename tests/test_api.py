@@ -59,3 +59,17 @@ def test_verify_files_with_relation_text():
   td = "testdata/tp_mlp__shard_map__ok"
   assert gg.verify_files(f"{td}/seq.mlir", f"{td}/dist.mlir",
                          relation="1: dim1=tp\n3: dim0=tp\n").refines
+
+
+def test_unsupported_ops_are_named_and_treated_as_opaque():
+  """sort has no lemma: on replicas it is the same function, so this proves, and
+  the report names it; on a tiled operand it cannot be related."""
+  from graphguard_hlo.report import to_text
+  def f(x, w1, w2):
+    return jnp.sort(mlp(x, w1, w2), axis=0)
+  body = lambda x, w1, w2: jnp.sort(jax.lax.psum(jnp.tanh(x @ w1) @ w2, "tp"), axis=0)
+  result = gg.verify(f, shard_map(body, mesh=MESH, in_specs=SPECS, out_specs=P()), *ARGS,
+                     mesh=MESH, in_specs=SPECS)
+  assert result.refines
+  assert "note: unsupported op treated as opaque" in to_text(result, "s", "d")
+  assert any(o.startswith("sort at ") for o in result.stats["opaque_ops"])

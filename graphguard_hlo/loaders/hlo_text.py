@@ -19,7 +19,7 @@ import bisect
 import dataclasses
 import math
 import re
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -320,9 +320,9 @@ class _Parser:
     if not self.at("HloModule"):
       raise self.error(f"expected 'HloModule' at the start of an HLO text dump, "
                        f"found {self.peek().describe()}")
-    header = self.next()
+    self.next()
     name = self.expect_name("the module name after 'HloModule'")
-    attrs = self.attributes(header.line)
+    attrs = self.attributes()
     tables: dict[str, dict[int, Any]] = {t: {} for t in _TABLES}
     comps: list[_Computation] = []
     while self.peek().kind != _EOF:
@@ -359,7 +359,7 @@ class _Parser:
           self.accept(",")
         out[key] = fields
 
-  def attributes(self, line: int) -> dict[str, _Span]:
+  def attributes(self) -> dict[str, _Span]:
     """``, name=value`` pairs that follow a header or an instruction."""
     attrs: dict[str, _Span] = {}
     while self.at(","):
@@ -507,7 +507,7 @@ class _Parser:
           if self.accept(")"):
             break
           self.expect(",", f"between operands of %{name}")
-    ins.attrs = self.attributes(start.line)
+    ins.attrs = self.attributes()
     cp = ins.attrs.pop("control-predecessors", None)
     if cp is not None:
       sub = self.sub(cp)
@@ -610,7 +610,7 @@ class _Parser:
     return out
 
   def dict_braces(self) -> dict[str, Any]:
-    """``{k=v k2="s" ...}`` (metadata, window, frame tables); values as tokens."""
+    """``{k=v k2="s" ...}`` (metadata, window, result_accuracy) as strings."""
     self.expect("{")
     out: dict[str, Any] = {}
     while not self.accept("}"):
@@ -624,10 +624,8 @@ class _Parser:
       if v.kind == _EOF:
         raise self.error(f"missing value for {key}")
       if v.kind == "punct" and v.text == "{":
-        lo = self.i
         self.skip_balanced()
         out[key] = self.text[v.start:self.toks[self.i - 1].end]
-        del lo
       else:
         self.next()
         out[key] = _unescape(v.text[1:-1]) if v.kind == "str" else v.text
@@ -662,14 +660,24 @@ class ElidedConstant:
   """The value of a constant the dump printed as ``{...}``.
 
   XLA elides large literals unless dumped with ``--xla_dump_large_constants``.  Each
-  elided constant is equal only to itself, so hash-consing never merges two of them.
+  elided constant is equal only to itself, so hash-consing never merges two of them,
+  and reading it as an array is an InputError that says how to get the values.
   """
-  __slots__ = ("name", "shape", "dtype")
+  __slots__ = ("name", "shape", "dtype", "path", "line")
 
-  def __init__(self, name: str, shape: tuple[int, ...], dtype: str):
+  def __init__(self, name: str, shape: tuple[int, ...], dtype: str, path: Optional[str] = None,
+               line: Optional[int] = None):
     self.name = name
     self.shape = shape
     self.dtype = dtype
+    self.path = path
+    self.line = line
+
+  def __array__(self, dtype=None, copy=None):
+    raise InputError(self.path, f"the value of constant %{self.name} "
+                     f"({self.dtype}[{','.join(map(str, self.shape))}]) is elided as {{...}} in "
+                     "this dump; dump again with XLA_FLAGS=--xla_dump_large_constants",
+                     line=self.line)
 
   def __repr__(self) -> str:
     return f"ElidedConstant(%{self.name}: {self.dtype}[{','.join(map(str, self.shape))}])"
@@ -750,11 +758,22 @@ def _parse_literal(p: _Parser, shape: _Shape, name: str) -> Any:
   nested()
   p.expect_done(f"the literal of constant %{name}")
   if elided:
-    return ElidedConstant(name, shape.dims, _DTYPES[hlo])
-  count = int(np.prod(shape.dims, dtype=np.int64))
+    first = p.toks[p.hi - 1] if p.hi else None
+    return ElidedConstant(name, shape.dims, _DTYPES[hlo], p.path, first.line if first else None)
+  count = 1
+  for d in shape.dims:
+    count *= d
   if len(flat) != count:
     raise p.error(f"constant %{name} has {len(flat)} element(s) but its shape "
                   f"{shape} holds {count}", p.toks[p.hi - 1] if p.hi else None)
+  if hlo in _INT_DTYPES:
+    bits = {"s2": 2, "s4": 4, "u2": 2, "u4": 4}.get(hlo)
+    info = np.iinfo(_INT_DTYPES[hlo])
+    lo, hi = (info.min, info.max) if bits is None else (
+        (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if hlo[0] == "s" else (0, (1 << bits) - 1))
+    bad = next((v for v in flat if not lo <= v <= hi), None)
+    if bad is not None:
+      raise p.error(f"constant %{name}: {bad} does not fit in {hlo}", p.toks[p.hi - 1])
   return _constant_value(flat, shape)
 
 
@@ -806,6 +825,20 @@ def _dims_token(tok: _Tok, p: _Parser, parts: int) -> list[list[int]]:
   return out
 
 
+_MAX_DEVICES = 1 << 24
+
+
+def _device_count(p: _Parser, dims: list[int]) -> int:
+  total = 1
+  for d in dims:
+    if d < 0:
+      raise p.error("negative size in a device list")
+    total *= d
+  if total > _MAX_DEVICES:
+    raise p.error(f"a device list of {total} devices is too large")
+  return total
+
+
 def _iota_groups(p: _Parser) -> np.ndarray:
   """``[G,S]<=[dims]T(perm)`` as a G x S device array."""
   p.expect("[")
@@ -826,7 +859,7 @@ def _iota_groups(p: _Parser) -> np.ndarray:
     while not p.accept(")"):
       perm.append(p.expect_int("in a transpose"))
       p.accept(",")
-  total = int(np.prod(reshape, dtype=np.int64))
+  total = _device_count(p, reshape)
   if sorted(perm) != list(range(len(reshape))) or int(np.prod(shape, dtype=np.int64)) != total:
     raise p.error("inconsistent iota device list")
   return np.arange(total).reshape(reshape).transpose(perm).reshape(shape)
@@ -840,7 +873,7 @@ def _device_list(p: _Parser) -> np.ndarray:
     while not p.accept("]"):
       dims.append(p.expect_int("in a device list"))
       p.accept(",")
-    total = int(np.prod(dims, dtype=np.int64))
+    total = _device_count(p, dims)
     reshape = dims
     if p.accept("<="):
       p.expect("[")
@@ -892,7 +925,7 @@ def _mesh_groups(p: _Parser, module: ir.Module, meshes: dict,
   sizes = [s for _, s in axes]
   if not sizes or any(n <= 0 for n in sizes):
     raise p.error("a mesh needs axes of size 1 or more")
-  total = int(np.prod(sizes, dtype=np.int64))
+  total = _device_count(p, sizes)
   devices = np.arange(total)
   explicit = None
   if p.at("(") or p.at("device_ids"):
@@ -1131,6 +1164,8 @@ _ARITY = {
     "opt-barrier": (1, 1), "rng-bit-generator": (1, 1), "bitcast": (1, 1),
     "get-dimension-size": (1, 1), "set-dimension-size": (2, 2), "cholesky": (1, 1),
     "convolution": (2, 2), "reduce-precision": (1, 1), "copy": (1, 1),
+    "triangular-solve": (2, 2), "fft": (1, 1), "map": (1, _MANY),
+    "batch-norm-training": (3, 3), "batch-norm-inference": (5, 5), "batch-norm-grad": (5, 5),
 }
 _ARRAY_OPERANDS = {"dot", "transpose", "broadcast", "slice", "pad", "dynamic-slice",
                    "dynamic-update-slice", "concatenate", "reverse", "clamp", "select", "gather",
@@ -1141,6 +1176,11 @@ _ONE_DIM = {"all-gather", "reduce-scatter", "concatenate", "get-dimension-size",
             "set-dimension-size"}
 _KNOWN_ATTRS = {"metadata", "sharding", "frontend_attributes", "origin", "backend_config",
                 "statistics_viz", "control-predecessors"}
+
+
+def _plain(name: str) -> str:
+  """The name stablehlo.py gives an MLIR op: without the dialects it drops."""
+  return name.removeprefix("stablehlo.").removeprefix("func.").removeprefix("mhlo.")
 
 
 def _sanitize(name: str) -> str:
@@ -1249,7 +1289,7 @@ class _Importer:
       raise self.err("more than one ENTRY computation", entries[1].line, entries[1].col)
     entry = entries[0] if entries else hlo.computations[-1]
     m.name = hlo.name
-    m.attrs.update(self.module_attrs(entry))
+    m.attrs.update(self.module_attrs())
     taken = {"main"}
     for c in hlo.computations:
       if c is entry:
@@ -1263,7 +1303,7 @@ class _Importer:
       taken.add(name)
       self.func_names[c.name] = name
     for c in hlo.computations:
-      g = self.import_func(c, c is entry)
+      g = self.import_func(c)
       m.functions[g.name] = g
     m.entry = "main"
     if entry.name.endswith("_spmd"):
@@ -1272,7 +1312,7 @@ class _Importer:
       m.num_partitions = max(mesh.size for mesh in m.meshes.values())
     return m
 
-  def module_attrs(self, entry: _Computation) -> dict[str, Any]:
+  def module_attrs(self) -> dict[str, Any]:
     a = self.hlo.attrs
     out: dict[str, Any] = {"mhlo.cross_program_prefetches": (), "mhlo.is_dynamic": False,
                            "mhlo.use_auto_spmd_partitioning": False, "sym_name": self.hlo.name,
@@ -1394,7 +1434,7 @@ class _Importer:
     return file, loc.get("line", 0), loc.get("column", 0)
 
   # -- computations
-  def import_func(self, comp: _Computation, is_main: bool) -> ir.Graph:
+  def import_func(self, comp: _Computation) -> ir.Graph:
     g = ir.Graph(self.func_names[comp.name])
     args: list[ir.Value] = []
     for prm in comp.params:
@@ -1455,6 +1495,7 @@ class _Importer:
   def import_region(self, comp: _Computation, name: str,
                     bind: Optional[list[ir.Value]] = None) -> ir.Graph:
     """A computation inlined as an op's region; ``bind`` replaces its parameters."""
+    name = _plain(name)
     g = ir.Graph(name)
     args: list[ir.Value] = []
     for prm in comp.params:
@@ -1655,8 +1696,8 @@ class _Importer:
     shapes = result_shapes if result_shapes is not None else [ins.shape]
     if len(shapes) == 1 and shapes[0] is ins.shape:
       self.layout_attrs(ins, attrs)   # the op stands for the instruction itself
-    if canonical:
-      name, attrs = _canonicalize(name, attrs, operands, self.m)
+    if canonical:   # as stablehlo.py does for every op it reads
+      name, attrs = _canonicalize(_plain(name), attrs, operands, self.m)
     names = ([ins.name] if len(shapes) == 1 else [f"{ins.name}#{k}" for k in range(len(shapes))])
     op = self.m.add_op(g, name, operands, [s.ir_type() for s in shapes], attrs, regions or [],
                        loc or self.location(ins), names)
@@ -1729,7 +1770,8 @@ class _Importer:
     if op == "broadcast":
       bd = self.attr_ints(ins, "dimensions")
       src = dims(operands[0])
-      if len(bd) != len(src) or any(d >= len(shp.dims) or (src[k] != shp.dims[d] and src[k] != 1)
+      if len(bd) != len(src) or any(not 0 <= d < len(shp.dims)
+                                    or (src[k] != shp.dims[d] and src[k] != 1)
                                     for k, d in enumerate(bd)):
         fail(f"dimensions={{{','.join(map(str, bd))}}} does not broadcast {operands[0].type} "
              f"into {shp}")
@@ -1737,8 +1779,8 @@ class _Importer:
       lc = self.attr_ints(ins, "lhs_contracting_dims", ())
       rc = self.attr_ints(ins, "rhs_contracting_dims", ())
       lhs, rhs = dims(operands[0]), dims(operands[1])
-      if len(lc) != len(rc) or any(a >= len(lhs) or b >= len(rhs) or lhs[a] != rhs[b]
-                                   for a, b in zip(lc, rc)):
+      if len(lc) != len(rc) or any(not 0 <= a < len(lhs) or not 0 <= b < len(rhs)
+                                   or lhs[a] != rhs[b] for a, b in zip(lc, rc)):
         fail(f"contracting dimensions do not match between {operands[0].type} and "
              f"{operands[1].type}")
 
@@ -1763,7 +1805,8 @@ class _Importer:
     attrs = self.base_attrs(ins)
     for k, span in ins.attrs.items():
       if k not in _KNOWN_ATTRS:
-        attrs[k] = span.text
+        one_string = span.hi - span.lo == 1 and self.toks[span.lo].kind == "str"
+        attrs[k] = _unescape(span.text[1:-1]) if one_string else span.text
     if "backend_config" in ins.attrs:
       attrs["backend_config"] = self.raw_backend_config(ins)
     self.layout_attrs(ins, attrs)
@@ -1923,8 +1966,8 @@ def _convert(im, g, ins, operands):
   loc = im.location(ins)
   zero = {"pred": False}.get(src.type.dtype, 0.0 if src.type.dtype.startswith(("f", "bf"))
                              else 0j if src.type.dtype.startswith("complex") else 0)
-  c = im.m.add_op(g, "constant", [], [src.type], {"value": _frozen(np.full(src.shape, zero))},
-                  [], loc)
+  value = np.broadcast_to(np.asarray(zero), src.shape)   # no copy: the shape may be huge
+  c = im.m.add_op(g, "constant", [], [src.type], {"value": _frozen(value)}, [], loc)
   attrs = {"comparison_direction": "NE"}
   im.layout_attrs(ins, attrs)
   return im.emit(g, "compare", ins, [src, c.result], attrs, loc=loc).result
@@ -2082,6 +2125,48 @@ def _cholesky(im, g, ins, operands):
   return im.emit(g, "cholesky", ins, operands, attrs).result
 
 
+@_handles("triangular-solve")
+def _triangular_solve(im, g, ins, operands):
+  attrs = im.base_attrs(ins)
+  attrs.update({"left_side": im.attr_bool(ins, "left_side"), "lower": im.attr_bool(ins, "lower"),
+                "unit_diagonal": im.attr_bool(ins, "unit_diagonal"),
+                "transpose_a": f"#stablehlo<transpose "
+                               f"{im.attr_word(ins, 'transpose_a', 'NO_TRANSPOSE')}>"})
+  return im.emit(g, "triangular_solve", ins, operands, attrs).result
+
+
+@_handles("fft")
+def _fft(im, g, ins, operands):
+  attrs = im.base_attrs(ins)
+  attrs["fft_type"] = f"#stablehlo<fft_type {im.attr_word(ins, 'fft_type', 'FFT')}>"
+  attrs["fft_length"] = im.attr_ints(ins, "fft_length")
+  return im.emit(g, "fft", ins, operands, attrs).result
+
+
+@_handles("map")
+def _map(im, g, ins, operands):
+  attrs = im.base_attrs(ins)
+  attrs["dimensions"] = im.attr_ints(ins, "dimensions")
+  region = im.import_region(im.callee(ins, "to_apply"), "map.r0")
+  return im.emit(g, "map", ins, operands, attrs, [region]).result
+
+
+@_handles("batch-norm-training", "batch-norm-inference", "batch-norm-grad")
+def _batch_norm(im, g, ins, operands):
+  attrs = im.base_attrs(ins)
+  span = ins.attrs.get("epsilon")
+  if span is None:
+    raise im.err(f"%{ins.name} ({ins.opcode}) needs attribute epsilon", ins.line)
+  p = im.parser(span)
+  eps = _scalar(p.next(), "f32", p)
+  p.expect_done("epsilon")
+  attrs["epsilon"] = float(np.float32(eps))    # an f32 attribute, read back as a double
+  attrs["feature_index"] = im.attr_int(ins, "feature_index")
+  name = ins.opcode.replace("-", "_")
+  op = im.emit(g, name, ins, operands, attrs, None, _collective_result_shapes(ins))
+  return _wrap(im, g, ins, op)
+
+
 @_handles("bitcast")
 def _bitcast(im, g, ins, operands):
   attrs = im.base_attrs(ins)
@@ -2139,7 +2224,7 @@ def _all_to_all(im, g, ins, operands):
       attrs["channel_handle"] = (f"#mhlo.channel_handle<handle = "
                                  f"{im.attr_int(ins, 'channel_id')}, type = 0>")
     op = im.emit(g, "mhlo.all_to_all", ins, operands, attrs, None,
-                 _collective_result_shapes(ins), canonical=False)
+                 _collective_result_shapes(ins))
     return _wrap(im, g, ins, op)
   dims = im.attr_ints(ins, "dimensions")
   if len(dims) != 1 or not 0 <= dims[0] < operands[0].type.rank:
@@ -2180,23 +2265,21 @@ def _collective_broadcast(im, g, ins, operands):
 
 @_handles("reduce")
 def _reduce(im, g, ins, operands):
-  attrs = im.base_attrs(ins)
   n = len(operands) // 2
   if len(operands) % 2 or not n:
     raise im.err(f"%{ins.name}: reduce needs inputs and as many init values", ins.line)
   dims = im.attr_ints(ins, "dimensions")
   src = operands[0].type.shape
-  if any(d >= len(src) for d in dims):
+  if any(not 0 <= d < len(src) for d in dims):
     raise im.err(f"%{ins.name}: dimensions={{{','.join(map(str, dims))}}} out of range for "
                  f"{operands[0].type}", ins.line)
   region = im.import_region(im.callee(ins, "to_apply"), "reduce.r0")
-  shapes = _collective_result_shapes(ins)
-  op = im.emit(g, "reduce", ins, operands, {"dimensions": dims}, [region], shapes)
-  if ins.shape.is_tuple:
-    loc = op.location
-    return im.tuple_from_results(g, op.results, ins.shape, loc)
-  # Non-tuple reduces carry the instruction's attributes (dropped by canonicalize).
-  return op.result
+  # XLA puts the instruction's attributes on the reduce, or on the tuple that wraps a
+  # variadic one (canonicalize keeps only the dimensions anyway).
+  attrs = {} if ins.shape.is_tuple else im.base_attrs(ins)
+  attrs["dimensions"] = dims
+  op = im.emit(g, "reduce", ins, operands, attrs, [region], _collective_result_shapes(ins))
+  return _wrap(im, g, ins, op)
 
 
 def _window(im: _Importer, ins: _Instr, rank: int) -> dict[str, list]:
@@ -2416,6 +2499,8 @@ def _conditional(im, g, ins, operands):
 def _call(im, g, ins, operands):
   comp = im.callee(ins, "to_apply")
   attrs = im.base_attrs(ins)
+  if im.attr_bool(ins, "is_composite"):
+    return _composite(im, g, ins, operands, comp, attrs)
   raw = im.raw_backend_config(ins)
   if raw:
     fa = dict(attrs.get("mhlo.frontend_attributes", {}))
@@ -2429,6 +2514,31 @@ def _call(im, g, ins, operands):
                  f"{want}", ins.line)
   op = im.emit(g, "call", ins, flat, attrs, None, ins.shape.leaves())
   return _wrap(im, g, ins, op)
+
+
+def _composite(im: _Importer, g: ir.Graph, ins: _Instr, operands: list[ir.Value],
+               comp: _Computation, attrs: dict) -> ir.Value:
+  """``call(...), is_composite=true``: a stablehlo.composite named by its frontend attributes."""
+  fa = dict(attrs.pop("mhlo.frontend_attributes", {}))
+  missing = [k for k in ("composite.name", "composite.attributes", "composite.version")
+             if k not in fa]
+  if missing:
+    raise im.err(f"%{ins.name}: a composite call needs frontend attribute {missing[0]}",
+                 ins.line)
+  span = ins.attrs["frontend_attributes"]
+  composite_attrs: Any = fa.pop("composite.attributes")
+  sub = _Parser(im.path, composite_attrs, _tokenize(im.path, composite_attrs))
+  try:
+    composite_attrs = _mlir_value(sub)
+  except InputError:
+    raise im.err(f"%{ins.name}: cannot read composite.attributes", span.line) from None
+  out = {"name": fa.pop("composite.name"), "composite_attributes": composite_attrs,
+         "decomposition": _symbol_ref(comp.name),
+         "version": _as_int(fa.pop("composite.version"))}
+  if fa:
+    out["mhlo.frontend_attributes"] = fa
+  out.update(attrs)
+  return im.emit(g, "composite", ins, operands, out).result
 
 
 @_handles("fusion")
@@ -2515,7 +2625,7 @@ def _custom_call(im, g, ins, operands):
     if target not in ("Pin", "Unpin"):
       attrs["output_operand_aliases"] = aliases
     im.layout_attrs(ins, attrs)
-    return im.emit(g, "mhlo.custom_call", ins, operands, attrs, canonical=False).result
+    return im.emit(g, "mhlo.custom_call", ins, operands, attrs).result
   attrs["api_version"] = api
   if target not in ("Pin", "Unpin"):
     attrs["output_operand_aliases"] = aliases
@@ -2524,12 +2634,6 @@ def _custom_call(im, g, ins, operands):
 
 
 # --------------------------------------------------------------------------- entry point
-
-def parse_hlo_text(path: str, text: str) -> _HloModule:
-  """Just the syntax: tokens to the module's computations (used by tests and tools)."""
-  p = _Parser(path, text, _tokenize(path, text))
-  return p.module()
-
 
 def load_hlo_text(path: str, text: str) -> ir.Module:
   """Parse an HLO text dump into the graph IR; every problem is an InputError."""
@@ -2542,7 +2646,7 @@ def load_hlo_text(path: str, text: str) -> ir.Module:
   except InputError:
     raise
   except RecursionError:
-    raise InputError(path, "computations are nested too deeply") from None
+    raise InputError(path, "nesting too deep (shapes, literals or computations)") from None
   except (ValueError, KeyError, IndexError, TypeError, AssertionError, OverflowError,
           ZeroDivisionError, AttributeError) as e:
     # A malformed dump we did not check for explicitly: still one clear line.

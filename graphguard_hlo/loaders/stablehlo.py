@@ -43,7 +43,12 @@ def load_stablehlo(path: str, data: bytes | str, fmt: str = "stablehlo") -> ir.M
       raise _mlir_error(path, e) from None
     except Exception as e:  # bindings raise ValueError for bytecode garbage
       raise InputError(path, f"not a valid StableHLO module: {str(e).splitlines()[0]}") from None
-    return _Importer(path, fmt).run(mod)
+    try:
+      return _Importer(path, fmt).run(mod)
+    except InputError as e:
+      if e.path is None:  # raised deep in type conversion: name the file
+        raise InputError(path, e.message, e.line, e.column) from None
+      raise
 
 
 def _mlir_error(path: str, e: Exception) -> InputError:
