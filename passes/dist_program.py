@@ -131,7 +131,8 @@ def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:
                    if s is not None and s.kind == "tiled"]
             + [max(grp) + 1 for gs in groups for grp in gs if grp])
     module.num_partitions = n
-    mesh = shd.infer_mesh([s for s in param_sh + result_sh if s is not None], n, groups)
+    mesh = shd.infer_mesh([s for s in param_sh + result_sh if s is not None], n, groups,
+                          _partition_id_strides(g, n))
     param_layouts = [
         None if s is None else shd.layout_from_hlo_sharding(s, mesh, v.type.rank)
         for s, v in zip(param_sh, g.params)]
@@ -147,6 +148,26 @@ def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:
   param_layouts = [l if l is not None else Layout.replicated(v.type.rank)
                    for l, v in zip(param_layouts, g.params)]
   return DistProgram(module, g, mesh, param_layouts, result_layouts, "spmd")
+
+
+def _partition_id_strides(g: ir.Graph, n: int) -> set[int]:
+  """Device-id strides that partition-id arithmetic cuts at: GSPMD's offset
+  tables indexed by partition-id, and divisions/remainders of partition-id.
+  They refine the mesh so that e.g. ``partition_id // 2`` is one mesh axis."""
+  import numpy as np
+  from graphguard_hlo.passes.rank_arith import table_strides
+  strides: set[int] = set()
+  for op in g.walk():
+    if op.name == "dynamic_slice" and len(op.operands) == 2:
+      table = op.operands[0].producer
+      if table is not None and table.name == "constant" and table.results[0].shape == (n,):
+        strides |= table_strides(np.asarray(table.attrs["value"]).reshape(-1))
+    elif op.name in ("divide", "remainder") and op.operands[1].producer is not None \
+        and op.operands[1].producer.name == "constant":
+      c = np.asarray(op.operands[1].producer.attrs["value"]).reshape(-1)
+      if c.size == 1 and c.dtype.kind in "iu" and 0 < int(c[0]) < n and n % int(c[0]) == 0:
+        strides.add(int(c[0]))
+  return strides
 
 
 def _parse(text) -> Optional[shd.HloSharding]:

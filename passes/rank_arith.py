@@ -163,10 +163,48 @@ class RankArithmetic:
       return None
     if len(table) == 1:
       return sympy.Integer(int(table[0]))
-    step = int(table[1]) - int(table[0])
-    if not np.array_equal(table, table[0] + step * np.arange(len(table))):
-      return None
     rng = self.range_of(idx)
     if rng is None or rng[0] < 0 or rng[1] >= len(table):
       return None
-    return sympy.expand(int(table[0]) + step * idx)
+    form = table_form(table)
+    if form is None:
+      return None
+    base, step, block, period = form
+    digit = idx
+    if period is not None:
+      q = self._floordiv(idx, sympy.Integer(period))
+      digit = None if q is None else sympy.expand(idx - q * period)
+    if digit is not None and block > 1:
+      digit = self._floordiv(digit, sympy.Integer(block))
+    return None if digit is None else sympy.expand(base + step * digit)
+
+
+def table_form(table: np.ndarray) -> Optional[tuple[int, int, int, Optional[int]]]:
+  """``table[i] == base + step * ((i % period) // block)``: GSPMD's offset tables
+  (``{0, 0, 1, 1}`` for the major half of 4 devices, ``{0, 1, 0, 1}`` for the minor).
+
+  Returns (base, step, block, period) with period None for "no wrap", or None.
+  """
+  n = len(table)
+  i = np.arange(n)
+  for period in [None] + [m for m in range(1, n) if n % m == 0]:
+    span = n if period is None else period
+    for block in [b for b in range(1, span + 1) if span % b == 0]:
+      digits = (i if period is None else i % period) // block
+      if digits.max() == 0:
+        if np.all(table == table[0]):
+          return int(table[0]), 0, 1, None
+        continue
+      step = (int(table[block]) - int(table[0])) if block < n else 0
+      if np.array_equal(table, table[0] + step * digits):
+        return int(table[0]), step, block, period
+  return None
+
+
+def table_strides(table: np.ndarray) -> set[int]:
+  """Device-id strides a partition-id table cuts at (for mesh inference)."""
+  form = table_form(table)
+  if form is None:
+    return set()
+  _, _, block, period = form
+  return {block} | ({period} if period else set())

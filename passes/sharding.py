@@ -60,7 +60,7 @@ _TILED = re.compile(
 
 def parse_hlo_sharding(text: str) -> HloSharding | list[HloSharding]:
   """Parse ``{...}``; tuple shardings ``{{...}, {...}}`` give a list."""
-  s = text.strip()
+  s = re.sub(r"/\*.*?\*/", "", text).strip()  # XLA numbers long tuples: /*index=5*/
   if s.startswith("{{") or (s.startswith("{") and s[1:].lstrip().startswith("{")):
     inner = s[1:-1]
     parts, depth, start = [], 0, 0
@@ -144,7 +144,8 @@ def _digits(sh: HloSharding) -> list[list[tuple[int, int]]]:
 
 
 def infer_mesh(shardings: Iterable[HloSharding], num_devices: int,
-               extra_groups: Iterable[Sequence[Sequence[int]]] = ()) -> Mesh:
+               extra_groups: Iterable[Sequence[Sequence[int]]] = (),
+               extra_strides: Iterable[int] = ()) -> Mesh:
   """The coarsest mesh of atomic axes whose digits spell every sharding's tiles.
 
   Axes are named ``a0, a1, ...`` major to minor, device id = mixed radix of
@@ -163,6 +164,7 @@ def infer_mesh(shardings: Iterable[HloSharding], num_devices: int,
         step = abs(b - a)
         if step and num_devices % step == 0:
           cuts.add(step)
+  cuts.update(extra_strides)
   ordered = sorted(c for c in cuts if num_devices % c == 0)
   for lo, hi in zip(ordered, ordered[1:]):
     if hi % lo:

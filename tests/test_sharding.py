@@ -128,3 +128,32 @@ def test_collective_permute_with_fixed_points_is_a_full_permutation():
       "x", {0: 0, 1: 2, 2: 1, 3: 3})
   # A rank sending to two places is no permutation.
   assert shd.axes_of_pairs([(0, 1), (0, 2)], mesh) is None
+
+
+@pytest.mark.parametrize("table,form", [
+    ([0, 8, 16, 24], (0, 8, 1, None)),
+    ([0, 0, 1, 1], (0, 1, 2, None)),   # the major half of 4 devices
+    ([0, 1, 0, 1], (0, 1, 1, 2)),      # the minor digit
+    ([5, 5, 5, 5], (5, 0, 1, None)),
+    ([0, 8, 24, 16], None),
+])
+def test_offset_table_forms(table, form):
+  from graphguard_hlo.passes.rank_arith import table_form
+  assert table_form(np.array(table)) == form
+
+
+def test_table_of_halves_refines_the_mesh_and_reads_as_an_axis():
+  """GSPMD splitting 2 kv heads over 4 devices reads offsets from {0,0,1,1}[pid]."""
+  from graphguard_hlo.passes.dist_program import _partition_id_strides
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("main")
+  table = m.add_op(g, "constant", [], [ir.TensorType((4,), "ui32")],
+                   {"value": np.array([0, 0, 1, 1], np.uint32)}).result
+  pid = _op(m, g, "partition_id", [], "ui32")
+  half = m.add_op(g, "dynamic_slice", [table, pid], [ir.TensorType((1,), "ui32")],
+                  {"slice_sizes": (1,)}).result
+  strides = _partition_id_strides(g, 4)
+  assert strides == {2}
+  mesh = shd.infer_mesh([], 4, extra_strides=strides)
+  assert mesh.axes == (("a0", 2), ("a1", 2))
+  assert RankArithmetic(mesh).value(half) == rank_symbol("a0")
