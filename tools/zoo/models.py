@@ -1,0 +1,308 @@
+"""Tiny GPT-2 and Llama-3 style language models as plain JAX functions.
+
+Both models map ``(tokens, labels, *params)`` to a scalar cross-entropy loss
+(mean over all tokens).  ``tokens`` and ``labels`` are int32 ``[batch, seq]``;
+``params`` is a flat tuple of float32 arrays in the order of
+``param_specs(model, cfg)``, so a lowered module has one parameter per array
+and the sequential and distributed modules match parameters by position.
+Layers are unrolled with a Python loop: no ``scan``/``while`` in the modules.
+
+The forward functions are written once and are shape-generic: the batch,
+sequence and head counts are read off the (possibly per-device) shapes of the
+arguments, and every place a distributed program needs communication goes
+through a hook of ``Parallel``.  With the default hooks (``SEQUENTIAL``) the
+functions are the sequential programs; ``tools/zoo/strategies.py`` builds
+per-device bodies for ``shard_map`` by swapping hooks, so a seeded bug is the
+only difference between a correct and a buggy variant.
+
+Token ids are looked up with a one-hot matmul by default
+(``Config.embedding="take"`` uses ``jnp.take``, a gather, instead); labels
+always go through ``one_hot``.  Either way out-of-range ids (the zoo's
+``numeric.random_inputs`` draws ints as truncated gaussians, i.e. mostly 0 and
+a few -1 / +1) give a defined result rather than NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+F32 = jnp.float32
+I32 = jnp.int32
+EPS = 1e-5
+MODELS = ("gpt2", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  vocab: int = 64
+  d_model: int = 32
+  heads: int = 4
+  kv_heads: int = 2         # llama3 only (grouped-query attention)
+  seq: int = 16
+  batch: int = 2
+  layers: int = 2
+  mlp_hidden: int = 64
+  rope_base: float = 10000.0
+  # Token lookup: "one_hot" (one_hot(tokens) @ table, a dot_general) or
+  # "take" (jnp.take, a gather).
+  embedding: str = "one_hot"
+
+  def __post_init__(self):
+    assert self.embedding in ("one_hot", "take"), self
+    assert self.d_model % self.heads == 0, self
+    assert self.heads % self.kv_heads == 0, self
+    assert self.head_dim % 2 == 0, self
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.heads
+
+  @property
+  def kv_groups(self) -> int:
+    """Query heads per kv head."""
+    return self.heads // self.kv_heads
+
+
+# --------------------------------------------------------------------------
+# Communication hooks.  Identity everywhere = the sequential program.
+# --------------------------------------------------------------------------
+
+
+def _no_gather(x, axis=1):
+  return x
+
+
+def _no_reduce(x):
+  return x
+
+
+def _iota_positions(n):
+  return jnp.arange(n, dtype=F32)
+
+
+def repeat_kv(x, groups):
+  """[b, s, kv, hd] -> [b, s, kv * groups, hd], q head h reading kv head
+  h // groups (each kv head repeated ``groups`` times in a row)."""
+  return jnp.repeat(x, groups, axis=2)
+
+
+def _all_heads(x, n_local):
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+  # (x, axis) -> x gathered along the sequence axis: before attention / MLP.
+  gather_seq: Callable = _no_gather
+  # Partial sums out of the row-parallel matmuls -> reduced (or scattered).
+  reduce_attn: Callable = _no_reduce
+  reduce_mlp: Callable = _no_reduce
+  # n -> f32[n], the positions of this device's n tokens (llama3 RoPE).
+  positions: Callable = _iota_positions
+  # (kv [b, s, kv, hd], groups) -> [b, s, heads, hd]
+  repeat_kv: Callable = repeat_kv
+  # ([b, s, heads, hd], n_local) -> this device's n_local heads.
+  local_heads: Callable = _all_heads
+  # per-token nll [b, s] -> scalar loss
+  combine_loss: Callable = jnp.mean
+
+
+SEQUENTIAL = Parallel()
+
+
+# --------------------------------------------------------------------------
+# Parameters.
+# --------------------------------------------------------------------------
+
+
+def param_specs(model: str, cfg: Config) -> list[tuple[str, tuple]]:
+  """(name, global shape) of every parameter, in argument order.  Per-layer
+  names are ``l{i}.{base}``; ``base_name`` strips the prefix."""
+  d, f, v, hd = cfg.d_model, cfg.mlp_hidden, cfg.vocab, cfg.head_dim
+  out: list[tuple[str, tuple]] = []
+  if model == "gpt2":
+    out += [("wte", (v, d)), ("wpe", (cfg.seq, d))]
+    for i in range(cfg.layers):
+      out += [(f"l{i}.{n}", s) for n, s in [
+          ("ln1_g", (d,)), ("ln1_b", (d,)),
+          ("wq", (d, d)), ("bq", (d,)), ("wk", (d, d)), ("bk", (d,)),
+          ("wv", (d, d)), ("bv", (d,)), ("wo", (d, d)), ("bo", (d,)),
+          ("ln2_g", (d,)), ("ln2_b", (d,)),
+          ("w_fc", (d, f)), ("b_fc", (f,)), ("w_proj", (f, d)), ("b_proj", (d,)),
+      ]]
+    out += [("lnf_g", (d,)), ("lnf_b", (d,))]
+  elif model == "llama3":
+    out += [("emb", (v, d))]
+    for i in range(cfg.layers):
+      out += [(f"l{i}.{n}", s) for n, s in [
+          ("attn_norm", (d,)),
+          ("wq", (d, cfg.heads * hd)), ("wk", (d, cfg.kv_heads * hd)),
+          ("wv", (d, cfg.kv_heads * hd)), ("wo", (cfg.heads * hd, d)),
+          ("mlp_norm", (d,)),
+          ("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d)),
+      ]]
+    out += [("final_norm", (d,)), ("head", (d, v))]
+  else:
+    raise ValueError(f"unknown model {model!r}; known: {MODELS}")
+  return out
+
+
+def base_name(name: str) -> str:
+  return name.split(".", 1)[1] if name.startswith("l") and "." in name else name
+
+
+def _unpack(model: str, cfg: Config, params) -> dict:
+  names = [n for n, _ in param_specs(model, cfg)]
+  assert len(params) == len(names), (model, len(params), len(names))
+  return dict(zip(names, params))
+
+
+# --------------------------------------------------------------------------
+# Building blocks (shape-generic).
+# --------------------------------------------------------------------------
+
+
+def embed(tokens, table, cfg: Config):
+  if cfg.embedding == "take":
+    return jnp.take(table, tokens, axis=0, mode="clip")
+  return jax.nn.one_hot(tokens, table.shape[0], dtype=F32) @ table
+
+
+def layernorm(x, g, b):
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  c = x - mean
+  var = jnp.mean(c * c, axis=-1, keepdims=True)
+  return c * lax.rsqrt(var + EPS) * g + b
+
+
+def rmsnorm(x, g):
+  ms = jnp.mean(x * x, axis=-1, keepdims=True)
+  return x * lax.rsqrt(ms + EPS) * g
+
+
+def causal_attention(q, k, v):
+  """q, k, v [b, s, h, hd] -> [b, s, h * hd]; heads are independent, so a
+  device holding some heads of q, k, v computes those heads' outputs."""
+  b, s, h, hd = q.shape
+  scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(np.sqrt(hd))
+  causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+  scores = jnp.where(causal, scores, np.float32(-1e9))
+  probs = jax.nn.softmax(scores, axis=-1)
+  return jnp.einsum("bhst,bthd->bshd", probs, v).reshape(b, s, h * hd)
+
+
+def cross_entropy(logits, labels):
+  """Per-token negative log-likelihood [b, s]."""
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=F32)
+  return -jnp.sum(onehot * logp, axis=-1)
+
+
+def rope_tables(pos, head_dim, base):
+  half = head_dim // 2
+  inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=F32) / half))
+  angle = pos[:, None] * inv_freq[None, :]
+  return jnp.cos(angle), jnp.sin(angle)
+
+
+def apply_rope(x, cos, sin):
+  """Rotate-half RoPE of x [b, s, h, hd] with tables [s, hd / 2]."""
+  half = x.shape[-1] // 2
+  cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+# --------------------------------------------------------------------------
+# GPT-2.
+# --------------------------------------------------------------------------
+
+
+def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
+  p = _unpack("gpt2", cfg, params)
+  hd = cfg.head_dim
+  wte = p["wte"]
+  # Token embedding plus learned positions (wpe holds this device's rows:
+  # all of them, or its sequence shard).
+  h = embed(tokens, wte, cfg) + p["wpe"][None]
+  for i in range(cfg.layers):
+    w = lambda n: p[f"l{i}.{n}"]
+    a = par.gather_seq(layernorm(h, w("ln1_g"), w("ln1_b")))
+    b, s, _ = a.shape
+    q = (a @ w("wq") + w("bq")).reshape(b, s, -1, hd)
+    k = (a @ w("wk") + w("bk")).reshape(b, s, -1, hd)
+    v = (a @ w("wv") + w("bv")).reshape(b, s, -1, hd)
+    attn = causal_attention(q, k, v) @ w("wo")
+    h = h + (par.reduce_attn(attn) + w("bo"))
+    m = par.gather_seq(layernorm(h, w("ln2_g"), w("ln2_b")))
+    mlp = jax.nn.gelu(m @ w("w_fc") + w("b_fc"), approximate=True) @ w("w_proj")
+    h = h + (par.reduce_mlp(mlp) + w("b_proj"))
+  h = layernorm(h, p["lnf_g"], p["lnf_b"])
+  logits = h @ wte.T                              # tied output head
+  return par.combine_loss(cross_entropy(logits, labels))
+
+
+# --------------------------------------------------------------------------
+# Llama 3.
+# --------------------------------------------------------------------------
+
+
+def _gqa_attention(a, wq, wk, wv, cos, sin, cfg: Config, par: Parallel):
+  b, s, _ = a.shape
+  hd = cfg.head_dim
+  q = (a @ wq).reshape(b, s, -1, hd)
+  k = (a @ wk).reshape(b, s, -1, hd)
+  v = (a @ wv).reshape(b, s, -1, hd)
+  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  n_q = q.shape[2]
+  k = par.local_heads(par.repeat_kv(k, cfg.kv_groups), n_q)
+  v = par.local_heads(par.repeat_kv(v, cfg.kv_groups), n_q)
+  return causal_attention(q, k, v)
+
+
+def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
+  p = _unpack("llama3", cfg, params)
+  h = embed(tokens, p["emb"], cfg)
+  # Positions of this device's tokens, gathered like the activations: the
+  # rotary tables are built for the full sequence attention runs over.
+  pos = par.gather_seq(par.positions(tokens.shape[1]), 0)
+  cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_base)
+  for i in range(cfg.layers):
+    w = lambda n: p[f"l{i}.{n}"]
+    a = par.gather_seq(rmsnorm(h, w("attn_norm")))
+    attn = _gqa_attention(a, w("wq"), w("wk"), w("wv"), cos, sin, cfg, par)
+    h = h + par.reduce_attn(attn @ w("wo"))
+    m = par.gather_seq(rmsnorm(h, w("mlp_norm")))
+    mlp = (jax.nn.silu(m @ w("w_gate")) * (m @ w("w_up"))) @ w("w_down")
+    h = h + par.reduce_mlp(mlp)
+  h = rmsnorm(h, p["final_norm"])
+  logits = h @ p["head"]                          # untied output head
+  return par.combine_loss(cross_entropy(logits, labels))
+
+
+LOSSES = {"gpt2": gpt2_loss, "llama3": llama3_loss}
+
+
+def loss_fn(model: str, cfg: Config, par: Parallel = SEQUENTIAL,
+            name: str | None = None) -> Callable:
+  """``fn(tokens, labels, *params) -> scalar loss`` (named for the lowered
+  module)."""
+  loss = LOSSES[model]
+
+  def fn(tokens, labels, *params):
+    return loss(tokens, labels, params, cfg, par)
+
+  fn.__name__ = fn.__qualname__ = name or f"{model}_loss"
+  return fn
+
+
+def arg_shapes(model: str, cfg: Config) -> list[tuple[tuple, object]]:
+  """(shape, dtype) of every argument of ``loss_fn``: tokens, labels, params."""
+  tok = ((cfg.batch, cfg.seq), I32)
+  return [tok, tok] + [(s, F32) for _, s in param_specs(model, cfg)]

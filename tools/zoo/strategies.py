@@ -1,0 +1,410 @@
+"""Parallelisation strategies for the zoo's language models (``models.py``).
+
+``model_cases()`` returns ``Case``s named ``<model>/<strategy>/<style>/<variant>``:
+
+  * ``dp``: batch over "dp" (4 devices, batch 4), parameters replicated, the
+    loss a ``pmean`` of the local means.
+  * ``tp``: Megatron tensor parallelism over "tp" (4 devices): q (and for
+    GPT-2 k, v) projections and the MLP's first matmul(s) column-parallel, the
+    attention output projection and the MLP's last matmul row-parallel, each
+    followed by a ``psum``.  Embeddings, norms and the output head are
+    replicated.  Llama's kv heads (2) are fewer than the ranks (4), so
+    ``wk``/``wv`` are replicated, every rank repeats the kv heads to one per q
+    head exactly as the sequential program does, and slices out its own
+    (``dynamic_slice`` at ``axis_index("tp") * heads_per_rank``).
+  * ``sp``: sequence parallelism + TP on "tp" (Korthikanti et al.): tokens,
+    labels and the residual stream sharded over the sequence; ``all_gather``
+    of the normed activations before attention and the MLP, ``psum_scatter``
+    over the sequence after the row-parallel matmuls.  GPT-2's ``wpe`` is
+    sharded with the tokens; Llama's positions are computed for the local
+    tokens (local iota + ``axis_index * shard_len``) and gathered.
+  * ``dp_tp``: ``tp`` on "tp" of a 2x4 ("dp", "tp") mesh with the batch over
+    "dp".
+
+Every correct strategy exists as ``shard_map`` (hand-written collectives) and
+as ``gspmd`` (the sequential function jitted with in/out shardings), and
+``<model>/dp_tp_grad/gspmd/ok`` is ``jax.value_and_grad`` of the loss with
+respect to every parameter, returning ``(loss, (grad, ...))`` with each
+gradient sharded like its parameter.  NB: that output is a tuple, which
+``numeric.run_both`` (``np.asarray`` of the output) cannot hold; use
+``run_both`` here, or ``model_cases(grad=False)``.
+
+Seeded bugs (shard_map only); ``bug_primitive`` follows ``cases.py``: the jax
+primitive of the first sequential op whose value the buggy program no longer
+computes in any sharded form, or ``"output"``.
+
+Token ids are int32.  ``numeric.random_inputs`` draws them as truncated
+gaussians (mostly 0); ``model_inputs`` draws them uniformly from the
+vocabulary, which is the better ground truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax, shard_map
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tools.zoo.cases import Case
+from tools.zoo.models import (MODELS, Config, Parallel, arg_shapes, base_name,
+                              loss_fn, param_specs, repeat_kv)
+
+
+# --------------------------------------------------------------------------
+# Hooks.
+# --------------------------------------------------------------------------
+
+
+def _psum(axis):
+  return lambda x: lax.psum(x, axis)
+
+
+def _identity(x):
+  return x
+
+
+def _pmean_of_mean(axis):
+  return lambda nll: lax.pmean(jnp.mean(nll), axis)
+
+
+def _psum_of_mean(axis):
+  """The bug: sum of the local means is ``n`` times the global mean."""
+  return lambda nll: lax.psum(jnp.mean(nll), axis)
+
+
+def _slice_heads(axis):
+  def local_heads(x, n_local):
+    start = lax.axis_index(axis) * n_local
+    # The start is never negative: skip jax's wrap-around select.
+    return lax.dynamic_slice_in_dim(x, start, n_local, axis=2,
+                                    allow_negative_indices=False)
+  return local_heads
+
+
+def _tile_kv(x, groups):
+  """The bug: kv heads tiled (q head h reads kv head h % kv_heads), the
+  ``torch.Tensor.repeat`` vs ``repeat_interleave`` mix-up."""
+  return jnp.tile(x, (1, 1, groups, 1))
+
+
+def _gather_seq(axis_name):
+  def gather(x, axis=1):
+    return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+  return gather
+
+
+def _scatter_seq(axis_name):
+  return lambda x: lax.psum_scatter(x, axis_name, scatter_dimension=1,
+                                    tiled=True)
+
+
+def _sharded_positions(axis_name, with_offset=True):
+  def positions(n):
+    pos = jnp.arange(n, dtype=jnp.float32)
+    if with_offset:
+      pos = pos + (lax.axis_index(axis_name) * n).astype(jnp.float32)
+    return pos
+  return positions
+
+
+def _dp_par(combine=_pmean_of_mean):
+  return Parallel(combine_loss=combine("dp"))
+
+
+def _tp_par(reduce_attn=_psum, repeat=repeat_kv, combine=None):
+  return Parallel(reduce_attn=reduce_attn("tp"), reduce_mlp=_psum("tp"),
+                  repeat_kv=repeat, local_heads=_slice_heads("tp"),
+                  **({"combine_loss": combine} if combine else {}))
+
+
+def _sp_par(with_offset=True):
+  return Parallel(gather_seq=_gather_seq("tp"),
+                  reduce_attn=_scatter_seq("tp"), reduce_mlp=_scatter_seq("tp"),
+                  positions=_sharded_positions("tp", with_offset),
+                  local_heads=_slice_heads("tp"),
+                  combine_loss=_pmean_of_mean("tp"))
+
+
+def _dp_tp_par():
+  return _tp_par(combine=_pmean_of_mean("dp"))
+
+
+def _no_reduce(axis):
+  return _identity
+
+
+# --------------------------------------------------------------------------
+# Shardings.
+# --------------------------------------------------------------------------
+
+# Megatron TP: column-parallel (output features over tp) and row-parallel
+# (input features over tp) weights; everything not listed is replicated.
+_TP_SPECS = {
+    "gpt2": {"wq": P(None, "tp"), "bq": P("tp"), "wk": P(None, "tp"),
+             "bk": P("tp"), "wv": P(None, "tp"), "bv": P("tp"),
+             "wo": P("tp", None), "w_fc": P(None, "tp"), "b_fc": P("tp"),
+             "w_proj": P("tp", None)},
+    # wk / wv replicated: 2 kv heads cannot be split over 4 ranks.
+    "llama3": {"wq": P(None, "tp"), "wo": P("tp", None),
+               "w_gate": P(None, "tp"), "w_up": P(None, "tp"),
+               "w_down": P("tp", None)},
+}
+
+
+def _no_param_specs(model, name):
+  return P()
+
+
+def _tp_param_spec(model, name):
+  return _TP_SPECS[model].get(base_name(name), P())
+
+
+def _sp_param_spec(model, name):
+  if model == "gpt2" and name == "wpe":
+    return P("tp", None)
+  return _tp_param_spec(model, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Strategy:
+  name: str
+  mesh_shape: tuple
+  axis_names: tuple
+  token_spec: P
+  param_spec: Callable[[str, str], P]
+  par: Callable[[], Parallel]           # the correct per-device hooks
+  cfg_overrides: tuple = ()
+
+
+_STRATEGIES = {s.name: s for s in [
+    _Strategy("dp", (4,), ("dp",), P("dp", None), _no_param_specs, _dp_par,
+              (("batch", 4),)),
+    _Strategy("tp", (4,), ("tp",), P(), _tp_param_spec, _tp_par),
+    _Strategy("sp", (4,), ("tp",), P(None, "tp"), _sp_param_spec, _sp_par),
+    _Strategy("dp_tp", (2, 4), ("dp", "tp"), P("dp", None), _tp_param_spec,
+              _dp_tp_par),
+]}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bug:
+  model: str
+  strategy: str
+  bug: str
+  bug_primitive: str
+  par: Callable[[], Parallel]
+  # A missing all-reduce leaves the output varying over "tp" where out_specs
+  # says replicated; the vma checker would reject it, so its author turned
+  # the checker off.
+  check_vma: bool = True
+
+
+def _bugs() -> list[_Bug]:
+  return [
+      # Every rank uses positions 0..n-1: the sequential position iota (the
+      # first op of the rotary tables) is the first value the devices hold
+      # wrong slices of (all but rank 0).
+      _Bug("llama3", "sp", "rope_no_offset", "iota",
+           lambda: _sp_par(with_offset=False)),
+      # Sequentially jnp.repeat is broadcast_in_dim [b,s,kv,groups,hd] then a
+      # reshape; the buggy ranks tile instead ([b,s,groups,kv,hd]), so that
+      # broadcast_in_dim is the first value no rank holds.  (k itself, and
+      # its RoPE, are right and replicated.)
+      _Bug("llama3", "tp", "gqa_wrong_heads", "broadcast_in_dim",
+           lambda: _tp_par(repeat=_tile_kv)),
+      # The partial sum out of ``attn @ wo`` feeds an add unreduced: the
+      # output bias add in GPT-2, the residual add in Llama.
+      _Bug("gpt2", "tp", "missing_allreduce", "add",
+           lambda: _tp_par(reduce_attn=_no_reduce), check_vma=False),
+      _Bug("llama3", "tp", "missing_allreduce", "add",
+           lambda: _tp_par(reduce_attn=_no_reduce), check_vma=False),
+      # psum of the local means = dp * the global mean.  Every intermediate
+      # (the nll, the local sums as partials of the global sum) is right; only
+      # the mean's division, whose result *is* the output, is off (as
+      # ``dp_loss/shard_map/psum_not_pmean`` in cases.py).
+      _Bug("gpt2", "dp", "loss_wrong_scale", "output",
+           lambda: _dp_par(combine=_psum_of_mean)),
+      _Bug("llama3", "dp", "loss_wrong_scale", "output",
+           lambda: _dp_par(combine=_psum_of_mean)),
+  ]
+
+
+# --------------------------------------------------------------------------
+# Case construction.
+# --------------------------------------------------------------------------
+
+
+@functools.cache
+def _mesh(shape: tuple, names: tuple) -> Mesh:
+  n = int(np.prod(shape))
+  devices = jax.devices()
+  if len(devices) < n:
+    raise RuntimeError(
+        f"need {n} devices, have {len(devices)}: set XLA_FLAGS="
+        "--xla_force_host_platform_device_count=8 before importing jax")
+  return Mesh(np.array(devices[:n]).reshape(shape), names)
+
+
+def _cfg(strategy: _Strategy, base: Config) -> Config:
+  return dataclasses.replace(base, **dict(strategy.cfg_overrides))
+
+
+def _in_specs(model: str, strategy: _Strategy, cfg: Config) -> tuple:
+  return ((strategy.token_spec, strategy.token_spec)
+          + tuple(strategy.param_spec(model, n) for n, _ in
+                  param_specs(model, cfg)))
+
+
+@functools.cache
+def _seq_fn(model: str, cfg: Config) -> Callable:
+  """One sequential function per (model, sizes), shared by its cases, so jit
+  traces and compiles it once (and GSPMD cases differ only in shardings)."""
+  return loss_fn(model, cfg)
+
+
+def _seq_args(model, cfg):
+  return [jax.ShapeDtypeStruct(s, d) for s, d in arg_shapes(model, cfg)]
+
+
+def _dist_args(model, cfg, mesh, specs):
+  return [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
+          for (s, d), spec in zip(arg_shapes(model, cfg), specs)]
+
+
+def _ident(*parts):
+  return "_".join(parts)
+
+
+def _shard_map_case(model, strategy, cfg, variant, par, bug=None,
+                    bug_primitive=None, check_vma=True) -> Case:
+  cfg = _cfg(strategy, cfg)
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  specs = _in_specs(model, strategy, cfg)
+  local = loss_fn(model, cfg, par, name=_ident(model, strategy.name, variant))
+  dist_fn = shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(),
+                      check_vma=check_vma)
+  return Case(name=f"{model}/{strategy.name}/shard_map/{variant}",
+              seq_fn=_seq_fn(model, cfg), dist_fn=dist_fn,
+              seq_args=_seq_args(model, cfg),
+              dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
+              style="shard_map", bug=bug, bug_primitive=bug_primitive)
+
+
+def _gspmd_case(model, strategy, cfg) -> Case:
+  cfg = _cfg(strategy, cfg)
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  specs = _in_specs(model, strategy, cfg)
+  seq_fn = _seq_fn(model, cfg)
+  return Case(name=f"{model}/{strategy.name}/gspmd/ok", seq_fn=seq_fn,
+              dist_fn=seq_fn, seq_args=_seq_args(model, cfg),
+              dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
+              style="gspmd", bug=None, bug_primitive=None,
+              out_shardings=NamedSharding(mesh, P()),
+              in_shardings=tuple(NamedSharding(mesh, s) for s in specs))
+
+
+def _grad_case(model, strategy, cfg) -> Case:
+  cfg = _cfg(strategy, cfg)
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  specs = _in_specs(model, strategy, cfg)
+  loss = _seq_fn(model, cfg)
+  n_params = len(param_specs(model, cfg))
+  vg = jax.value_and_grad(loss, argnums=tuple(range(2, 2 + n_params)))
+
+  def seq_fn(tokens, labels, *params):
+    return vg(tokens, labels, *params)
+
+  seq_fn.__name__ = seq_fn.__qualname__ = _ident(model, strategy.name, "grad")
+  shard = lambda s: NamedSharding(mesh, s)
+  return Case(name=f"{model}/{strategy.name}_grad/gspmd/ok", seq_fn=seq_fn,
+              dist_fn=seq_fn, seq_args=_seq_args(model, cfg),
+              dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
+              style="gspmd", bug=None, bug_primitive=None,
+              out_shardings=(shard(P()), tuple(shard(s) for s in specs[2:])),
+              in_shardings=tuple(shard(s) for s in specs))
+
+
+GRAD_STRATEGY = "dp_tp"
+
+
+@functools.cache
+def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
+  built = []
+  for model in MODELS:
+    for strategy in _STRATEGIES.values():
+      built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
+  for b in _bugs():
+    built.append(_shard_map_case(b.model, _STRATEGIES[b.strategy], cfg, b.bug,
+                                 b.par(), b.bug, b.bug_primitive, b.check_vma))
+  for model in MODELS:
+    for strategy in _STRATEGIES.values():
+      built.append(_gspmd_case(model, strategy, cfg))
+  if grad:
+    for model in MODELS:
+      built.append(_grad_case(model, _STRATEGIES[GRAD_STRATEGY], cfg))
+  return tuple(built)
+
+
+def model_cases(cfg: Optional[Config] = None, grad: bool = True) -> list[Case]:
+  """All model cases (built lazily: meshes need the 8 fake CPU devices)."""
+  return list(_build(cfg or Config(), grad))
+
+
+def get(name: str, cfg: Optional[Config] = None) -> Case:
+  for c in model_cases(cfg):
+    if c.name == name:
+      return c
+  raise KeyError(f"no model case {name!r}; known: "
+                 f"{[c.name for c in model_cases(cfg)]}")
+
+
+# --------------------------------------------------------------------------
+# Numeric ground truth with sensible token ids.
+# --------------------------------------------------------------------------
+
+
+def model_inputs(case: Case, seed: int = 0) -> list[np.ndarray]:
+  """Global inputs: token ids and labels uniform over the vocabulary (read
+  off the first parameter, the embedding table), parameters N(0, 0.5^2) as
+  ``numeric.random_inputs``."""
+  rng = np.random.default_rng(seed)
+  vocab = case.seq_args[2].shape[0]
+  out = []
+  for a in case.seq_args:
+    if jnp.issubdtype(a.dtype, jnp.integer):
+      out.append(rng.integers(0, vocab, a.shape).astype(a.dtype))
+    else:
+      out.append((0.5 * rng.standard_normal(a.shape)).astype(a.dtype))
+  return out
+
+
+def run_both(case: Case, inputs=None, seed: int = 0):
+  """(sequential, distributed) outputs as pytrees of numpy arrays."""
+  if inputs is None:
+    inputs = model_inputs(case, seed)
+  seq_out = jax.jit(case.seq_fn)(*inputs)
+  dist_inputs = [jax.device_put(x, a.sharding)
+                 for x, a in zip(inputs, case.dist_args)]
+  if case.style == "gspmd":
+    dist = jax.jit(case.dist_fn, in_shardings=case.in_shardings,
+                   out_shardings=case.out_shardings)
+  else:
+    dist = jax.jit(case.dist_fn)
+  dist_out = dist(*dist_inputs)
+  to_np = lambda t: jax.tree.map(np.asarray, t)
+  return to_np(seq_out), to_np(dist_out)
+
+
+def outputs_match(case: Case, inputs=None, seed: int = 0, rtol: float = 1e-4,
+                  atol: float = 1e-4) -> bool:
+  seq_out, dist_out = run_both(case, inputs, seed)
+  seq_leaves, seq_tree = jax.tree.flatten(seq_out)
+  dist_leaves, dist_tree = jax.tree.flatten(dist_out)
+  return (seq_tree == dist_tree
+          and all(s.shape == d.shape and np.allclose(s, d, rtol=rtol, atol=atol)
+                  for s, d in zip(seq_leaves, dist_leaves)))
