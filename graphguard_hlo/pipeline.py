@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from graphguard_hlo import ir
+from graphguard_hlo.gcutil import without_cyclic_gc
 from graphguard_hlo.passes.dist_program import canonicalize_dist, needs_partitioning
 from graphguard_hlo.passes.canonicalize import canonicalize_module
 from graphguard_hlo.passes.inline import inline_calls
@@ -12,6 +13,7 @@ from graphguard_hlo.passes.inference import Result, verify_programs
 from graphguard_hlo.passes.layout import Layout
 
 
+@without_cyclic_gc
 def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Optional[str] = None):
   if needs_partitioning(dist):
     from graphguard_hlo.xla_partition import partition_stablehlo_text
@@ -24,12 +26,14 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
   return canonicalize_dist(dist, num_partitions)
 
 
+@without_cyclic_gc
 def prepare_seq(seq: ir.Module) -> ir.Module:
   inline_calls(seq)
   canonicalize_module(seq)
   return seq
 
 
+@without_cyclic_gc
 def verify_modules(seq: ir.Module, dist: ir.Module, input_layouts: Optional[list[Layout]] = None,
                    num_partitions: Optional[int] = None) -> Result:
   prepare_seq(seq)

@@ -176,6 +176,7 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph) -> int:
   replace: dict[int, ir.Value] = {}
   out: list[ir.Op] = []
   placed: set[int] = set()
+  original = {id(op) for op in graph.ops}
   rewrites = 0
   graph.ops_to_place = []  # type: ignore[attr-defined]
   for op in graph.ops:
@@ -192,7 +193,7 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph) -> int:
       out.extend(graph.ops_to_place)  # type: ignore[attr-defined]
       graph.ops_to_place = []  # type: ignore[attr-defined]
       if result.producer is not None and id(result.producer) not in placed \
-          and result.producer is not current and result.producer not in graph.ops:
+          and result.producer is not current and id(result.producer) not in original:
         current = result.producer  # a fresh op: simplify it in turn
         continue
       final = result

@@ -25,6 +25,7 @@ from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.errors import InputError
+from graphguard_hlo.gcutil import without_cyclic_gc
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.canonicalize import canonical_local_op
 from graphguard_hlo.passes.collectives import reducer_kind
@@ -154,6 +155,7 @@ class RelationInference:
             for r in self.relations.get(s.id, [])]
 
   # -- driver ------------------------------------------------------------------
+  @without_cyclic_gc
   def run(self) -> Result:
     self._bind_inputs()
     failure = self.walk_ops()
@@ -380,6 +382,7 @@ def _live_ops(g: ir.Graph) -> set[int]:
   return live
 
 
+@without_cyclic_gc
 def verify_programs(seq: ir.Module, dist: DistProgram,
                     input_layouts: Optional[list[Layout]] = None) -> Result:
   return RelationInference(seq, dist, input_layouts).run()
