@@ -1693,6 +1693,8 @@ class _Importer:
            attrs: dict, regions: Optional[list[ir.Graph]] = None,
            result_shapes: Optional[list[_Shape]] = None, loc: Optional[ir.Location] = None,
            canonical: bool = True) -> ir.Op:
+    """The op for ``ins``: attributes canonicalized as stablehlo.py does, the
+    instruction's location, results named after it (``name#k`` when several)."""
     shapes = result_shapes if result_shapes is not None else [ins.shape]
     if len(shapes) == 1 and shapes[0] is ins.shape:
       self.layout_attrs(ins, attrs)   # the op stands for the instruction itself
