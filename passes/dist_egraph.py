@@ -50,6 +50,35 @@ NORMALIZATION_RULES = [
 ] + [Rule(f"{op}-commutes", (op, "?x", "?y"), _swap) for op in sorted(terms.COMMUTATIVE)]
 
 
+def _splat_of(eg: EGraph, c: ClassId) -> Optional[float]:
+  for n in eg.nodes(c):
+    if n.op == "splat":
+      return n.head[1]
+  return None
+
+
+def fold_splats(eg: EGraph) -> bool:
+  """Elementwise ops whose operands are all splats are splats (constant folding)."""
+  from graphguard_hlo.passes.lemmas import ELEMENTWISE
+  changed = False
+  for c in eg.classes():
+    if _splat_of(eg, c) is not None:
+      continue
+    for n in list(eg.nodes(c)):
+      if n.op not in ELEMENTWISE or not n.children:
+        continue
+      values = [_splat_of(eg, k) for k in n.children]
+      if None in values:
+        continue
+      folded = terms.fold_scalar(n.op, dict(n.head[1]), values, n.head[2])
+      if folded is not None:
+        eg.union(c, eg.add(ENode(terms.splat_head(folded, n.head[2]))))
+        changed = True
+        break
+  eg.rebuild()
+  return changed
+
+
 class DistEGraph:
   """The saturated e-graph of a per-device program, with value <-> class maps."""
 
@@ -61,7 +90,11 @@ class DistEGraph:
       self._bind(p, self.eg.add(ENode(("param", i, p.type))))
     for op in graph.ops:
       self._add_op(op)
-    self.iterations = saturate(self.eg, NORMALIZATION_RULES)
+    self.iterations = 0
+    while True:  # normalize, fold constants, until neither finds anything new
+      self.iterations += saturate(self.eg, NORMALIZATION_RULES)
+      if not fold_splats(self.eg):
+        break
 
   def _bind(self, v: ir.Value, c: ClassId) -> None:
     self.class_of[v.id] = c
@@ -90,6 +123,10 @@ class DistEGraph:
 
   def lookup(self, head, children: tuple[ClassId, ...]) -> Optional[ClassId]:
     return self.eg.lookup(ENode(head, children))
+
+  def splat(self, c: ClassId) -> Optional[float]:
+    """The constant every element of class ``c`` holds, if it is a splat."""
+    return _splat_of(self.eg, c)
 
   def lookup_splat(self, value: float, type: ir.TensorType) -> Optional[ClassId]:
     return self.eg.lookup(ENode(terms.splat_head(value, type)))

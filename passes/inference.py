@@ -227,6 +227,13 @@ class RelationInference:
       return
     if len(op.results) == 1:
       splat = terms.splat_value(op.results[0])
+      if splat is None and op.name in ("broadcast_in_dim", "reshape", "copy") and \
+          op.operands[0].id in self.splats:
+        splat = self.splats[op.operands[0].id]
+      elif splat is None and op.name in ELEMENTWISE and op.operands and all(
+          v.id in self.splats for v in op.operands):
+        splat = terms.fold_scalar(op.name, op.attrs, [self.splats[v.id] for v in op.operands],
+                                  op.results[0].type)
       if splat is not None:
         self.splats[op.results[0].id] = splat
         return

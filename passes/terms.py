@@ -86,5 +86,30 @@ def splat_value(v: ir.Value) -> Optional[float]:
   return float(flat[0])
 
 
+SPLAT_DIGITS = 7  # float32 carries ~7 significant digits
+
+
 def splat_head(value: float, type: ir.TensorType) -> Hashable:
-  return ("splat", value, type)
+  """Splats are identified by value to float32 precision: ``(1/4)/16`` folded on
+  the devices and ``1/64`` folded sequentially are the same constant."""
+  return ("splat", canonical_float(value), type)
+
+
+def canonical_float(value: float) -> float:
+  return float(f"{value:.{SPLAT_DIGITS}g}")
+
+
+def fold_scalar(name: str, attrs: dict, values: list[float], type: ir.TensorType
+                ) -> Optional[float]:
+  """The value of an elementwise op on splats, computed in the result's dtype."""
+  from graphguard_hlo import reference
+  if type.dtype in ("pred", "i1") or name == "compare":
+    return None  # booleans: masks are matched structurally
+  try:
+    with np.errstate(all="ignore"):
+      out = reference.evaluate(name, attrs, [np.array(v) for v in values],
+                               ir.TensorType((), type.dtype))
+  except (NotImplementedError, KeyError, ValueError, TypeError):
+    return None
+  out = float(np.asarray(out).reshape(-1)[0])
+  return out if np.isfinite(out) or np.isinf(out) else None

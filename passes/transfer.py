@@ -168,7 +168,7 @@ class Transfer:
     other = b if self.deg.of(a) == cls else a
     if self.deg.of(other) == cls:
       return None
-    return terms.splat_value(other)
+    return self.deg.splat(self.deg.of(other))  # constants folded in the e-graph too
 
   # -- helpers -------------------------------------------------------------------
   def tile_axes(self, expr: sympy.Expr, size: int, used: set[str]) -> Optional[tuple[str, ...]]:
