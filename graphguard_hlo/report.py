@@ -25,6 +25,12 @@ def to_text(result: Result, seq_path: str, dist_path: str) -> str:
       lines.append(f"  {operand}")
       for r in rels or ["(no relation)"]:
         lines.append(f"      ~ {r}")
+    if f.seq_context:
+      lines.append("  sequential ops:")
+      lines.extend(f"    {c}" for c in f.seq_context)
+    if f.dist_context:
+      lines.append("  per-device ops reading the related values:")
+      lines.extend(f"    {c}" for c in f.dist_context)
     for o in result.outputs:
       lines.append(f"  output {o.index} = {o.relation}")
     lines.append(f"{dist_path}: not proved to refine {seq_path}")

@@ -120,7 +120,30 @@ def diagnose_op(inf, op: ir.Op):
   if not problems:
     problems.append(f"no op of the per-device program computes this {op.name} from values "
                     "related to its operands (no lemma gives a clean expression)")
-  return Failure(op.name, op.location, inputs, "; ".join(dict.fromkeys(problems)))
+  seq_ctx, dist_ctx = _context(inf, op)
+  return Failure(op.name, op.location, inputs, "; ".join(dict.fromkeys(problems)),
+                 seq_context=seq_ctx, dist_context=dist_ctx)
+
+
+def _context(inf, op: ir.Op, limit: int = 6) -> tuple[list[str], list[str]]:
+  """The chain around a failing op in both programs, one line per op."""
+  seq_lines = []
+  for v in op.operands:
+    p = v.producer
+    if p is not None:
+      seq_lines.append(f"%{v.id} = {p.name}({', '.join(f'%{x.id}' for x in p.operands)})"
+                       f"  {p.location}")
+  seq_lines.append(f"{', '.join(f'%{r.id}' for r in op.results)} = {op.name}("
+                   f"{', '.join(f'%{v.id}' for v in op.operands)})  {op.location}  <- fails")
+  dist_lines = []
+  for v in op.operands:
+    for r in inf.relations.get(v.id, []):
+      for d_op in inf.users.get(r.cls, ()):
+        line = (f"{_dname(d_op.results[0]) if d_op.results else d_op.name} = {d_op.name}("
+                f"{', '.join(_dname(x) for x in d_op.operands)})  {d_op.location}")
+        if line not in dist_lines:
+          dist_lines.append(line)
+  return seq_lines[-limit:], dist_lines[:limit]
 
 
 def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[Layout]):

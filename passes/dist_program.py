@@ -160,7 +160,9 @@ def _partition_id_strides(g: ir.Graph, n: int) -> set[int]:
   for op in g.walk():
     if op.name == "dynamic_slice" and len(op.operands) == 2:
       table = op.operands[0].producer
-      if table is not None and table.name == "constant" and table.results[0].shape == (n,):
+      if table is not None and table.name == "constant" and table.results[0].shape == (n,) \
+          and isinstance(table.attrs.get("value"), np.ndarray) \
+          and table.attrs["value"].dtype.kind in "iu":
         strides |= table_strides(np.asarray(table.attrs["value"]).reshape(-1))
     elif op.name in ("divide", "remainder") and op.operands[1].producer is not None \
         and op.operands[1].producer.name == "constant":

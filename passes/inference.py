@@ -54,11 +54,16 @@ class Failure:
   inputs: list[tuple[str, list[str]]]  # operand name, its relations in words
   diagnosis: str
   output_index: Optional[int] = None
+  # The ops around the failure: the sequential ops that made its operands and
+  # the per-device ops that read the values related to them.
+  seq_context: list[str] = dataclasses.field(default_factory=list)
+  dist_context: list[str] = dataclasses.field(default_factory=list)
 
   def to_json(self) -> dict:
     return {"op": self.op_name, "location": str(self.location),
             "inputs": [{"operand": n, "relations": r} for n, r in self.inputs],
-            "diagnosis": self.diagnosis, "output_index": self.output_index}
+            "diagnosis": self.diagnosis, "output_index": self.output_index,
+            "seq_context": self.seq_context, "dist_context": self.dist_context}
 
 
 @dataclasses.dataclass

@@ -75,9 +75,11 @@ def splat_value(v: ir.Value) -> Optional[float]:
     if op.name == "convert" and (v.type.dtype.startswith("i") or v.type.dtype == "pred"):
       break
     op = op.operands[0].producer
-  if op is None or op.name != "constant":
-    return None
+  if op is None or op.name != "constant" or not isinstance(op.attrs.get("value"), np.ndarray):
+    return None  # complex constants are kept as text
   arr = np.asarray(op.attrs["value"])
+  if arr.dtype.kind not in "biuf":
+    return None
   if arr.size == 0:
     return None
   flat = arr.reshape(-1)

@@ -39,3 +39,4 @@ def test_dynamic_shapes_are_an_input_error():
           "  return %arg0 : tensor<?x4xf32>\n}\n")
   with pytest.raises(InputError, match="dyn.mlir: error: dynamic shape"):
     load_module_bytes("dyn.mlir", text.encode())
+

@@ -257,8 +257,11 @@ def _dense_value(attr) -> np.ndarray:
     # bf16 and other types numpy has no buffer format for: read the text.
     nums = re.findall(r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|inf|nan|true|false)",
                       str(attr).split(":")[0].replace("0x", "#"))
-    vals = [1.0 if n == "true" else 0.0 if n == "false" else float(n) for n in nums]
-    arr = np.full(shape, vals[0]) if len(vals) == 1 else np.array(vals).reshape(shape)
+    try:
+      vals = [1.0 if n == "true" else 0.0 if n == "false" else float(n) for n in nums]
+      arr = np.full(shape, vals[0]) if len(vals) == 1 else np.array(vals).reshape(shape)
+    except (ValueError, IndexError):
+      raise InputError(None, f"cannot read constant {str(attr)[:60]}") from None
   arr.setflags(write=False)
   return _HashableArray(arr)
 
