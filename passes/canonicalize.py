@@ -14,6 +14,7 @@ before anything is compared:
   broadcast stretching unit dims          -> broadcast(reshape-squeeze(x))
   iota of rank > 1 along k                -> broadcast(iota along k only)
   x + 0                                   -> x
+  reduce over size-1 dims (identity init) -> reshape
 
 Each is an identity of the ops' semantics (tested in tests/test_canonicalize.py).
 """
@@ -150,10 +151,36 @@ def _add_zero(module, graph, op) -> Optional[ir.Value]:
   return None
 
 
+_IDENTITY = {"sum": 0.0, "max": -float("inf"), "min": float("inf"), "mul": 1.0}
+
+
+def _reduce_over_unit_dims(module, graph, op) -> Optional[ir.Value]:
+  """reduce(x, init) over size-1 dims only, init the reducer's identity -> reshape(x).
+
+  Autodiff sums over broadcast dims; where a dim has one element per device
+  (one local head) jax and XLA spell that sum, or no sum, differently.
+  """
+  if op.name != "reduce" or len(op.operands) != 2 or not op.regions:
+    return None
+  from graphguard_hlo.passes.collectives import reducer_kind
+  from graphguard_hlo.passes.terms import splat_value
+  x, init = op.operands
+  dims = op.attrs["dimensions"]
+  if any(x.shape[d] != 1 for d in dims):
+    return None
+  kind = reducer_kind(op.regions[0])
+  value = splat_value(init)
+  if kind is None or value is None or value != _IDENTITY[kind]:
+    return None
+  if x.type == op.results[0].type:
+    return x
+  return _emit(module, graph, op, "reshape", [x], {})
+
+
 PATTERNS: tuple[Pattern, ...] = (
     _identity_shape_op, _reshape_inserting_units, _reshape_of_reshape,
     _reshape_of_unit_broadcast, _broadcast_of_broadcast, _broadcast_expanding_units,
-    _iota_as_broadcast, _add_zero)
+    _iota_as_broadcast, _add_zero, _reduce_over_unit_dims)
 
 
 def _emit(module, graph, op, name, operands, attrs) -> ir.Value:

@@ -115,3 +115,30 @@ def test_nothing_to_do_is_left_alone():
 def test_local_ops_get_the_same_normal_form(name, attrs, src, dst, expect):
   got = canonical_local_op(name, attrs, [_t(*src)], _t(*dst))
   assert got == expect
+
+
+def _sum_region(m):
+  r = ir.Graph("sum")
+  a, b = m.new_value(_t(), name="a"), m.new_value(_t(), name="b")
+  r.params = [a, b]
+  r.results = [m.add_op(r, "add", [a, b], [_t()]).result]
+  return r
+
+
+def test_sum_over_unit_dims_is_a_reshape():
+  m, g = _graph([_t(4, 1, 16, 1)])
+  zero = _op(m, g, "constant", [], _t(), value=np.array(0.0, np.float32))
+  red = m.add_op(g, "reduce", [g.params[0], zero], [_t(4, 16)], {"dimensions": (1, 3)},
+                 [_sum_region(m)])
+  red.attrs["gg.reduction"] = "sum"  # for the reference evaluator
+  g.results = [red.result]
+  _check(m, g, [np.arange(64.0).reshape(4, 1, 16, 1)], ["reshape"])
+
+
+def test_sum_over_unit_dims_with_another_init_is_kept():
+  m, g = _graph([_t(4, 1)])
+  one = _op(m, g, "constant", [], _t(), value=np.array(1.0, np.float32))
+  red = m.add_op(g, "reduce", [g.params[0], one], [_t(4)], {"dimensions": (1,)},
+                 [_sum_region(m)])
+  g.results = [red.result]
+  assert canonicalize_graph(m, g) == 0
