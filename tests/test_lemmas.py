@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes import lemmas
 from graphguard_hlo.passes.inference import RelationInference
-from graphguard_hlo.passes.layout import Layout, assemble, shard
+from graphguard_hlo.passes.layout import Layout, assemble, shard, spread_extrema
 from graphguard_hlo.passes.lemmas import SeqOp, apply_lemmas
 
 SCALES = (1.0, 0.5, 2.0, 0.25)
@@ -123,36 +123,6 @@ def random_values(rng: np.random.Generator, shape, domain: str = "real") -> np.n
   if domain == "bool":
     return rng.random(shape) < 0.5
   return rng.standard_normal(shape)
-
-
-def spread_extrema(layout: Layout, mesh: ir.Mesh, local_at: dict, rng) -> dict:
-  """For max/min partial layouts make the partial pieces differ.
-
-  ``shard`` gives every partial piece the whole tile, which any lemma would get
-  right; here one random piece per element keeps the value and the others are
-  strictly smaller (max) or larger (min), so the combine really matters.
-  """
-  if not layout.partial or layout.partial_kind == "sum":
-    return local_at
-  sizes = dict(mesh.axes)
-  n_pieces = math.prod(sizes[a] for a in layout.partial)
-  sign = -1.0 if layout.partial_kind == "max" else 1.0
-  owner: dict = {}  # tile -> which piece holds the true value, per element
-  noise: dict = {}  # (tile, piece) -> how far the other pieces are off
-  out = {}
-  for coord, v in local_at.items():
-    r = dict(zip(mesh.axis_names, coord))
-    tile = tuple(r[a] for axes in layout.dims for a in axes)
-    piece = 0
-    for a in layout.partial:
-      piece = piece * sizes[a] + r[a]
-    v = np.asarray(v, dtype=np.float64)
-    if tile not in owner:
-      owner[tile] = rng.integers(0, n_pieces, v.shape)
-    if (tile, piece) not in noise:
-      noise[tile, piece] = rng.uniform(0.1, 1.0, v.shape)
-    out[coord] = np.where(owner[tile] == piece, v, v + sign * noise[tile, piece])
-  return out
 
 
 def local_values(layout: Layout, mesh: ir.Mesh, value: np.ndarray, rng) -> dict:

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes.dist_egraph import DistEGraph
-from graphguard_hlo.passes.layout import Layout, assemble, shard
+from graphguard_hlo.passes.layout import Layout, assemble, shard, spread_extrema
 from graphguard_hlo.passes.rank_arith import RankArithmetic
 from graphguard_hlo.passes.transfer import Transfer
 
@@ -68,33 +68,6 @@ def draw_axes(draw, mesh: ir.Mesh, prefer) -> tuple[str, ...]:
   pool = list(prefer) if prefer and draw(st.integers(0, 4)) else list(mesh.axis_names)
   return tuple(draw(st.lists(st.sampled_from(pool), min_size=1, max_size=len(pool),
                              unique=True)))
-
-
-def spread_extrema(layout: Layout, mesh: ir.Mesh, local_at: dict, rng) -> dict:
-  """For max/min partial layouts make the partial pieces differ (``shard``
-  gives each piece the whole tile): one random piece per element keeps the
-  value, the others are smaller (max) or larger (min)."""
-  if not layout.partial or layout.partial_kind == "sum":
-    return local_at
-  sizes = dict(mesh.axes)
-  n_pieces = math.prod(sizes[a] for a in layout.partial)
-  sign = -1.0 if layout.partial_kind == "max" else 1.0
-  owner: dict = {}
-  noise: dict = {}
-  out = {}
-  for coord, v in local_at.items():
-    r = dict(zip(mesh.axis_names, coord))
-    tile = tuple(r[a] for axes in layout.dims for a in axes)
-    piece = 0
-    for a in layout.partial:
-      piece = piece * sizes[a] + r[a]
-    v = np.asarray(v, dtype=np.float64)
-    if tile not in owner:
-      owner[tile] = rng.integers(0, n_pieces, v.shape)
-    if (tile, piece) not in noise:
-      noise[tile, piece] = rng.uniform(0.1, 1.0, v.shape)
-    out[coord] = np.where(owner[tile] == piece, v, v + sign * noise[tile, piece])
-  return out
 
 
 # -- simulating the per-device program over the mesh ---------------------------------------

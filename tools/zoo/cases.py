@@ -375,7 +375,8 @@ NO_GSPMD: dict[str, str] = {}
 
 
 @functools.cache
-def _mesh(shape: tuple, names: tuple) -> Mesh:
+def mesh_of(shape: tuple, names: tuple) -> Mesh:
+  """A mesh over the first devices (Auto axes: jax.make_mesh defaults to Explicit)."""
   n = int(np.prod(shape))
   devices = jax.devices()
   if len(devices) < n:
@@ -404,7 +405,7 @@ def _named(fn: Callable, name: str) -> Callable:
 
 def _shard_map_case(v: _Variant) -> Case:
   prog = _PROGRAMS[v.program]
-  mesh = _mesh(prog.mesh_shape, prog.axis_names)
+  mesh = mesh_of(prog.mesh_shape, prog.axis_names)
   local_fn = _named(v.local_fn, f"{prog.name}_{v.variant}")
   dist_fn = shard_map(local_fn, mesh=mesh, in_specs=prog.in_specs,
                       out_specs=prog.out_spec, check_vma=v.check_vma)
@@ -415,7 +416,7 @@ def _shard_map_case(v: _Variant) -> Case:
 
 
 def _gspmd_case(prog: _Program) -> Case:
-  mesh = _mesh(prog.mesh_shape, prog.axis_names)
+  mesh = mesh_of(prog.mesh_shape, prog.axis_names)
   in_shardings = tuple(NamedSharding(mesh, s) for s in prog.in_specs)
   return Case(name=f"{prog.name}/gspmd/ok", seq_fn=prog.seq_fn,
               dist_fn=prog.seq_fn, seq_args=_args(prog, None),

@@ -50,7 +50,7 @@ import numpy as np
 from jax import lax, shard_map
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tools.zoo.cases import Case
+from tools.zoo.cases import Case, mesh_of
 from tools.zoo.models import (MODELS, Config, Parallel, arg_shapes, base_name,
                               loss_fn, param_specs, repeat_kv)
 
@@ -239,15 +239,7 @@ def _bugs() -> list[_Bug]:
 # --------------------------------------------------------------------------
 
 
-@functools.cache
-def _mesh(shape: tuple, names: tuple) -> Mesh:
-  n = int(np.prod(shape))
-  devices = jax.devices()
-  if len(devices) < n:
-    raise RuntimeError(
-        f"need {n} devices, have {len(devices)}: set XLA_FLAGS="
-        "--xla_force_host_platform_device_count=8 before importing jax")
-  return Mesh(np.array(devices[:n]).reshape(shape), names)
+_mesh = mesh_of  # one cached mesh per shape, shared with cases.py
 
 
 def _cfg(strategy: _Strategy, base: Config) -> Config:
