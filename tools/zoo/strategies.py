@@ -321,6 +321,44 @@ def _grad_case(model, strategy, cfg) -> Case:
               in_shardings=tuple(shard(s) for s in specs))
 
 
+# FSDP / ZeRO-3: every parameter whose leading dim divides is sharded on it
+# over "dp" and all-gathered just before use; the batch is split over "dp" too.
+FSDP = _Strategy("fsdp", (4,), ("dp",), P("dp", None), _no_param_specs, _dp_par,
+                 (("batch", 4),))
+
+
+def _fsdp_spec(shape) -> P:
+  return P("dp", *([None] * (len(shape) - 1))) if shape and shape[0] % 4 == 0 else \
+      P(*([None] * len(shape)))
+
+
+def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=None) -> Case:
+  """shard_map FSDP: gather each sharded weight (along ``gather_dim``: 0 is right;
+  1 is the seeded bug, made shape-correct by a reshape) and run the dp loss."""
+  cfg = _cfg(FSDP, cfg)
+  mesh = _mesh(FSDP.mesh_shape, FSDP.axis_names)
+  shapes = [s for _, s in param_specs(model, cfg)]
+  specs = (FSDP.token_spec, FSDP.token_spec) + tuple(_fsdp_spec(s) for s in shapes)
+  local = loss_fn(model, cfg, FSDP.par(), name=_ident(model, "fsdp", variant))
+
+  def gather(p, spec, shape):
+    if spec[0] != "dp":
+      return p
+    if gather_dim == 0 or len(shape) < 2:
+      return lax.all_gather(p, "dp", axis=0, tiled=True)
+    return lax.all_gather(p, "dp", axis=1, tiled=True).reshape(shape)
+
+  def body(tokens, labels, *params):
+    return local(tokens, labels, *[gather(p, sp, sh) for p, sp, sh in
+                                   zip(params, specs[2:], shapes)])
+  body.__name__ = body.__qualname__ = _ident(model, "fsdp", variant)
+  dist_fn = shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())
+  return Case(name=f"{model}/fsdp/shard_map/{variant}", seq_fn=_seq_fn(model, cfg),
+              dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
+              dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
+              style="shard_map", bug=bug, bug_primitive=bug_primitive)
+
+
 GRAD_STRATEGY = "dp_tp"
 
 
@@ -330,6 +368,12 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   for model in MODELS:
     for strategy in _STRATEGIES.values():
       built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
+  for model in MODELS:
+    built.append(_fsdp_case(model, cfg))
+  # The first matmul reading a weight gathered along the wrong dim (its rows
+  # come out interleaved): GPT-2's one-hot embedding lookup.
+  built.append(_fsdp_case("gpt2", cfg, "wrong_gather_dim", gather_dim=1,
+                          bug="wrong_gather_dim", bug_primitive="dot_general"))
   for b in _bugs():
     built.append(_shard_map_case(b.model, _STRATEGIES[b.strategy], cfg, b.bug,
                                  b.par(), b.bug, b.bug_primitive, b.check_vma))
