@@ -124,6 +124,9 @@ class DistEGraph:
   def lookup(self, head, children: tuple[ClassId, ...]) -> Optional[ClassId]:
     return self.eg.lookup(ENode(head, children))
 
+  def class_type(self, c: ClassId) -> Optional[ir.TensorType]:
+    return _class_type(self.eg, c)
+
   def splat(self, c: ClassId) -> Optional[float]:
     """The constant every element of class ``c`` holds, if it is a splat."""
     return _splat_of(self.eg, c)

@@ -28,6 +28,7 @@ from graphguard_hlo.errors import InputError
 from graphguard_hlo.gcutil import without_cyclic_gc
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.canonicalize import canonical_local_op
+from graphguard_hlo.passes.unit_dims import squeezed_variants
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.dist_program import DistProgram
@@ -150,7 +151,8 @@ class RelationInference:
         return
       known.append(r)
       for op in self.users.get(r.cls, ()):
-        for cls, layout, how in self.transfer.apply(op, r.cls, r.layout):
+        tile = r.layout.local_shape(s.shape, self.mesh)
+        for cls, layout, how in self.transfer.apply(op, r.cls, r.layout, tile):
           work.append(Relation(cls, layout, how))
 
   def describe(self, s: ir.Value) -> list[str]:
@@ -278,7 +280,19 @@ class RelationInference:
     name, attrs = canon
     head = terms.op_head(name, attrs, step.result_type, tuple(op.regions), k)
     self.lookups += 1
-    return self.deg.lookup(head, children)
+    found = self.deg.lookup(head, children)
+    if found is not None or (op.regions and op.name != "reduce"):
+      return found
+    # Tiles with unit dims: the device may hold them squeezed (unit_dims.py).
+    child_types = [self.deg.class_type(c) for c in children]
+    for attrs2, result_type in squeezed_variants(name, attrs, operand_types, child_types,
+                                                 step.result_type):
+      self.lookups += 1
+      head2 = terms.op_head(name, attrs2, result_type, tuple(op.regions), k)
+      found = self.deg.lookup(head2, children)
+      if found is not None:
+        return found
+    return None
 
   def _scale_by_constant(self, op: ir.Op) -> None:
     """s * c and s / c relate wherever s does, with the scale adjusted."""

@@ -28,6 +28,7 @@ from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
+from graphguard_hlo.passes.unit_dims import squeeze
 
 
 def _flip_if_negative(l: Layout, c: float) -> Layout:
@@ -48,9 +49,18 @@ class Transfer:
         if op.name == "add" and any(v.producer is not None and v.producer.name == "iota"
                                     for v in op.operands)]
 
-  def apply(self, op: ir.Op, cls: int, layout: Layout) -> Iterator[tuple[int, Layout, str]]:
+  # Rules that read dimension numbers of the per-device value: they need its
+  # shape to be the tile's exactly, not merely equal up to unit dims.
+  _DIMENSIONAL = {"all_gather", "reduce_scatter", "all_to_all", "dynamic_slice"}
+
+  def apply(self, op: ir.Op, cls: int, layout: Layout,
+            tile_shape: Optional[tuple[int, ...]] = None) -> Iterator[tuple[int, Layout, str]]:
+    """New relations for ``op``'s result, given ``S ~ layout of cls`` where S's
+    tile has shape ``tile_shape`` (None: unknown)."""
     rule = getattr(self, f"_{op.name}", None)
     if rule is None or not op.results:
+      return
+    if op.name in self._DIMENSIONAL and tile_shape != op.operands[0].shape:
       return
     for new in rule(op, cls, layout) or ():
       if new is not None and new.is_valid():
@@ -127,6 +137,19 @@ class Transfer:
     if axis in l.used_axes() or len(receivers) != self.mesh.axis_size(axis):
       return  # a tile moved to another rank, or some rank receives zeros
     yield l
+
+  # -- unit dims ---------------------------------------------------------------------
+  def _reshape(self, op, cls, l: Layout):
+    """A reshape that only inserts or drops unit dims keeps every element in place:
+    the value still equals the tile up to unit dims (see unit_dims.py)."""
+    if squeeze(op.operands[0].type).shape == squeeze(op.results[0].type).shape:
+      yield l
+
+  def _broadcast_in_dim(self, op, cls, l: Layout):
+    x, out = op.operands[0].type, op.results[0].type
+    dims = op.attrs["broadcast_dimensions"]
+    if squeeze(x).shape == squeeze(out).shape and list(dims) == sorted(dims):
+      yield l
 
   # -- rank-dependent slicing ------------------------------------------------------
   def _dynamic_slice(self, op, cls, l: Layout):

@@ -45,11 +45,13 @@ def test_names_and_metadata():
     for a in c.seq_args:
       assert a.sharding is None, c.name
   assert {c.bug for c in BUGS} == {"rope_no_offset", "gqa_wrong_heads",
-                                   "missing_allreduce", "loss_wrong_scale"}
+                                   "missing_allreduce", "loss_wrong_scale",
+                                   "wrong_gather_dim"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "sp", "dp_tp"):
       for style in ("shard_map", "gspmd"):
         strategies.get(f"{model}/{strategy}/{style}/ok")
+    strategies.get(f"{model}/fsdp/shard_map/ok")
 
 
 @pytest.mark.parametrize("case", ALL, ids=_ids)

@@ -179,7 +179,8 @@ class Program:
     deg = DistEGraph(self.graph)
     rules = Transfer(deg, RankArithmetic(self.mesh), self.mesh, self.graph)
     out = []
-    for cls, new, _ in rules.apply(op, deg.of(self.param), layout):
+    # The per-device parameter is the tile itself here.
+    for cls, new, _ in rules.apply(op, deg.of(self.param), layout, self.param.shape):
       assert cls == deg.of(op.result)
       out.append(new)
     return out
@@ -587,3 +588,26 @@ def test_negative_constant_turns_partial_max_into_min(kind):
   op = times_constant(prog, -1.0, "x*c")
   layout = Layout(((), ()), ("x",), kind)
   check_rule(prog, op, layout, values((2, 4), 0), 0)
+
+
+def test_dimensional_rules_need_the_exact_tile_shape():
+  """A per-device value equal to the tile only up to unit dims ([1,8] for a
+  [8,1] tile) numbers its dims differently: all-gather's dimension would
+  point elsewhere, so no relation may be read off it."""
+  prog = Program(MESH, (1, 8))
+  op = prog.add("all_gather", [prog.param], (2, 8),
+                attrs={"gg.axes": ("x",), "all_gather_dimension": 0})
+  deg = DistEGraph(prog.graph)
+  rules = Transfer(deg, RankArithmetic(MESH), MESH, prog.graph)
+  layout = Layout((("x",), ()))
+  assert list(rules.apply(op, deg.of(prog.param), layout, (1, 8)))
+  assert not list(rules.apply(op, deg.of(prog.param), layout, (8, 1)))
+  assert not list(rules.apply(op, deg.of(prog.param), layout, None))
+
+
+def test_unit_dim_reshape_keeps_the_relation():
+  prog = Program(MESH, (1, 8))
+  op = prog.add("reshape", [prog.param], (8,))
+  assert prog.transfer(op, Layout((("x",), ()))) == [Layout((("x",), ()))]
+  op2 = prog.add("reshape", [prog.param], (2, 4))
+  assert prog.transfer(op2, Layout((("x",), ()))) == []

@@ -1,0 +1,97 @@
+"""Local ops on tiles with size-1 dims, as the per-device program spells them.
+
+A tile with one row per device (local batch 1, one local head) has unit dims
+that jax and XLA squeeze, keep or re-insert differently on the device
+(``reshape [1,16,1] -> [16]`` where the sequential program, locally, has
+``-> [1,16]``; ``reduce [1,16,32] over dim 1 -> [1,32]`` where it has ``over
+dims 0,1 -> [32]``).  So a relation may name a per-device value whose shape
+equals the tile's *up to unit dims*: the same elements in the same order, the
+tile up to a unit-dim reshape.
+
+``squeezed_variants`` spells a lemma's local op on such values: the same op
+on operands with other unit dims, its dimension attributes renumbered, its
+result with or without unit dims.  Every variant computes the same elements,
+so a hash-cons hit is as good as for the proposed op.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes.lemmas import ELEMENTWISE
+
+
+def squeeze(t: ir.TensorType) -> ir.TensorType:
+  return ir.TensorType(tuple(d for d in t.shape if d != 1), t.dtype)
+
+
+def _remap(t: ir.TensorType, c: ir.TensorType) -> dict[int, int]:
+  """t's non-unit dims to the same (k-th non-unit) dims of c."""
+  tn = [i for i, d in enumerate(t.shape) if d != 1]
+  cn = [j for j, d in enumerate(c.shape) if d != 1]
+  return dict(zip(tn, cn))
+
+
+def _same_up_to_units(t: ir.TensorType, c: Optional[ir.TensorType]) -> bool:
+  return c is not None and squeeze(t).shape == squeeze(c).shape
+
+
+def squeezed_variants(name: str, attrs: dict, operand_types: list[ir.TensorType],
+                      child_types: list[Optional[ir.TensorType]], result_type: ir.TensorType
+                      ) -> Iterator[tuple[dict, ir.TensorType]]:
+  """(attrs, result type) of equivalent local ops on values equal up to unit dims."""
+  if not all(_same_up_to_units(t, c) for t, c in zip(operand_types, child_types)):
+    return
+  results = [result_type] + ([squeeze(result_type)] if squeeze(result_type) != result_type
+                             else [])
+  if name == "reshape":
+    for r in results:
+      yield attrs, r
+  elif name in ELEMENTWISE:
+    if len(set(child_types)) == 1:
+      c = child_types[0]
+      yield attrs, ir.TensorType(c.shape, result_type.dtype)
+  elif name == "broadcast_in_dim":
+    t, c = operand_types[0], child_types[0]
+    if squeeze(c) != c:
+      return  # where the device's unit dims would map is its own choice
+    m = _remap(t, c)
+    inverse = {j: i for i, j in m.items()}
+    dims = tuple(attrs["broadcast_dimensions"][inverse[j]] for j in range(c.rank))
+    yield {"broadcast_dimensions": dims}, result_type
+    if squeeze(result_type) != result_type:
+      pos = _remap(result_type, squeeze(result_type))
+      if all(d in pos for d in dims):
+        yield {"broadcast_dimensions": tuple(pos[d] for d in dims)}, squeeze(result_type)
+  elif name == "reduce" and len(operand_types) == 2:
+    t, c = operand_types[0], child_types[0]
+    m = _remap(t, c)
+    dims = tuple(sorted(m[d] for d in attrs["dimensions"] if d in m))
+    shape = tuple(s for j, s in enumerate(c.shape) if j not in dims)
+    yield {**attrs, "dimensions": dims}, ir.TensorType(shape, result_type.dtype)
+  elif name == "dot_general":
+    yield from _dot(attrs, operand_types, child_types, result_type)
+
+
+def _dot(attrs, operand_types, child_types, result_type):
+  lt, rt = operand_types
+  lc, rc = child_types
+  lm, rm = _remap(lt, lc), _remap(rt, rc)
+  new = {"lhs_batch": [], "rhs_batch": [], "lhs_contract": [], "rhs_contract": []}
+  for side_l, side_r in (("lhs_batch", "rhs_batch"), ("lhs_contract", "rhs_contract")):
+    for i, j in zip(attrs[side_l], attrs[side_r]):
+      if i in lm and j in rm:
+        new[side_l].append(lm[i])
+        new[side_r].append(rm[j])
+      elif (i in lm) != (j in rm):
+        return
+  # Unit dims of the device's operands that pair with nothing stay free dims.
+  out = {k: tuple(v) for k, v in new.items()}
+  lfree = [j for j in range(lc.rank) if j not in out["lhs_batch"] + out["lhs_contract"]]
+  rfree = [j for j in range(rc.rank) if j not in out["rhs_batch"] + out["rhs_contract"]]
+  shape = (tuple(lc.shape[j] for j in out["lhs_batch"]) + tuple(lc.shape[j] for j in lfree)
+           + tuple(rc.shape[j] for j in rfree))
+  if squeeze(ir.TensorType(shape, "f32")).shape != squeeze(result_type).shape:
+    return
+  yield out, ir.TensorType(shape, result_type.dtype)
