@@ -46,7 +46,7 @@ def test_names_and_metadata():
       assert a.sharding is None, c.name
   assert {c.bug for c in BUGS} == {"rope_no_offset", "gqa_wrong_heads",
                                    "missing_allreduce", "loss_wrong_scale",
-                                   "wrong_gather_dim"}
+                                   "wrong_gather_dim", "double_counted_grad"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "sp", "dp_tp"):
       for style in ("shard_map", "gspmd"):
@@ -80,7 +80,7 @@ def test_correct_case_matches_zoo_numeric(case):
 def test_bug_changes_result(case):
   assert not strategies.outputs_match(case)
   assert not strategies.outputs_match(case, seed=1)
-  if case.name not in WEAK_UNDER_GAUSSIAN_TOKENS:
+  if case.name not in WEAK_UNDER_GAUSSIAN_TOKENS and case in SINGLE_OUTPUT:
     assert not numeric.outputs_match(case)
 
 

@@ -359,6 +359,34 @@ def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=N
               style="shard_map", bug=bug, bug_primitive=bug_primitive)
 
 
+def _shard_map_grad_case(model, strategy, cfg, variant="ok", check_vma=True, bug=None,
+                         bug_primitive=None) -> Case:
+  """A training step's forward and backward inside shard_map: value_and_grad of
+  the local loss.  With the varying-axes checker on, jax's transpose of psum
+  sums the gradients of replicated parameters; with it off (``check_vma=False``,
+  the old semantics) every rank's psum transposes to another psum and those
+  gradients come out |tp| times too large: the classic double-counted gradient."""
+  cfg = _cfg(strategy, cfg)
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  specs = _in_specs(model, strategy, cfg)
+  n_params = len(param_specs(model, cfg))
+  argnums = tuple(range(2, 2 + n_params))
+  vg_seq = jax.value_and_grad(_seq_fn(model, cfg), argnums=argnums)
+  local = loss_fn(model, cfg, strategy.par(), name=_ident(model, strategy.name, "grad"))
+  vg_local = jax.value_and_grad(local, argnums=argnums)
+
+  def seq_fn(tokens, labels, *params):
+    return vg_seq(tokens, labels, *params)
+
+  seq_fn.__name__ = seq_fn.__qualname__ = _ident(model, strategy.name, "grad_seq")
+  dist_fn = shard_map(vg_local, mesh=mesh, in_specs=specs, out_specs=(P(), tuple(specs[2:])),
+                      check_vma=check_vma)
+  return Case(name=f"{model}/{strategy.name}_grad/shard_map/{variant}", seq_fn=seq_fn,
+              dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
+              dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
+              style="shard_map", bug=bug, bug_primitive=bug_primitive)
+
+
 GRAD_STRATEGY = "dp_tp"
 
 
@@ -383,6 +411,10 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   if grad:
     for model in MODELS:
       built.append(_grad_case(model, _STRATEGIES[GRAD_STRATEGY], cfg))
+      built.append(_shard_map_grad_case(model, _STRATEGIES["tp"], cfg))
+    built.append(_shard_map_grad_case("gpt2", _STRATEGIES["tp"], cfg, "double_counted_grad",
+                                      check_vma=False, bug="double_counted_grad",
+                                      bug_primitive="add"))
   return tuple(built)
 
 
