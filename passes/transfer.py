@@ -51,7 +51,8 @@ class Transfer:
 
   # Rules that read dimension numbers of the per-device value: they need its
   # shape to be the tile's exactly, not merely equal up to unit dims.
-  _DIMENSIONAL = {"all_gather", "reduce_scatter", "all_to_all", "dynamic_slice"}
+  _DIMENSIONAL = {"all_gather", "reduce_scatter", "all_to_all", "dynamic_slice",
+                  "dynamic_update_slice"}
 
   def apply(self, op: ir.Op, cls: int, layout: Layout,
             tile_shape: Optional[tuple[int, ...]] = None) -> Iterator[tuple[int, Layout, str]]:
@@ -60,7 +61,8 @@ class Transfer:
     rule = getattr(self, f"_{op.name}", None)
     if rule is None or not op.results:
       return
-    if op.name in self._DIMENSIONAL and tile_shape != op.operands[0].shape:
+    related = op.operands[1] if op.name == "dynamic_update_slice" else op.operands[0]
+    if op.name in self._DIMENSIONAL and tile_shape != related.shape:
       return
     for new in rule(op, cls, layout) or ():
       if new is not None and new.is_valid():
@@ -172,6 +174,34 @@ class Transfer:
       dims[k] = dims[k] + axes
       used |= set(axes)
     yield l.with_(dims=tuple(dims))
+
+  def _dynamic_update_slice(self, op, cls, l: Layout):
+    """Each rank writes its tile into zeros at offset ``r * size``: summed over
+    those ranks the buffers are the whole dim (the transpose of a rank-dependent
+    slice, as autodiff writes it).  The tiling over X becomes a partial sum."""
+    base, update, *offsets = op.operands
+    if self.deg.of(update) != cls or self.deg.of(base) == cls:
+      return
+    if self.deg.splat(self.deg.of(base)) != 0.0:
+      return
+    if l.partial and l.partial_kind != "sum":
+      return
+    dims = list(l.dims)
+    partial = list(l.partial)
+    used = set(l.used_axes())
+    for k, (off_v, size, full) in enumerate(zip(offsets, update.shape, base.shape)):
+      if size == full:
+        continue
+      expr = self.arith.value(off_v)
+      if expr is None:
+        return
+      axes = self.tile_axes(expr, size, used - set(dims[k]))
+      if axes is None or dims[k][len(dims[k]) - len(axes):] != axes or full != size * math.prod(
+          self.mesh.axis_size(a) for a in axes):
+        return
+      dims[k] = dims[k][:len(dims[k]) - len(axes)]
+      partial.extend(axes)
+    yield l.with_(dims=tuple(dims), partial=tuple(partial), partial_kind="sum")
 
   def _multiply(self, op, cls, l: Layout):
     c = self._splat_operand(op, cls)

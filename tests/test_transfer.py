@@ -464,6 +464,47 @@ def test_dynamic_slice_at_axis_index():
   hits.check()
 
 
+def test_dynamic_update_slice_into_zeros_is_a_partial_sum():
+  """Autodiff's transpose of a rank-dependent slice: each rank writes its tile
+  into zeros at r * size; summed over those ranks the buffers rebuild the dim."""
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    split = [k for k, axes in enumerate(layout.dims) if axes]
+    if not split or (layout.partial and layout.partial_kind != "sum"):
+      hits.add([])
+      return
+    k = data.draw(st.sampled_from(split))
+    n_x = data.draw(st.integers(1, len(layout.dims[k])))
+    x_axes = layout.dims[k][-n_x:]
+    lshape = local(layout, shape, mesh)
+    buffer = list(lshape)
+    buffer[k] *= tiles(mesh, x_axes)
+    bad = data.draw(st.integers(0, 4)) == 0
+    prog = Program(mesh, lshape)
+    zero = prog.add("broadcast_in_dim", [prog.const(0.0, "f32")], buffer,
+                    attrs={"broadcast_dimensions": ()}).result
+    sliced = [x_axes if d == k else () for d in range(len(shape))]
+    offsets = slice_at_axis_index(prog, sliced, lshape, k if bad else None).operands[1:]
+    op = prog.add("dynamic_update_slice", [zero, prog.param] + list(offsets), buffer)
+    news = check_rule(prog, op, layout, values(shape, seed), seed)
+    if tiles(mesh, x_axes) == 1:  # the update covers the buffer: it is the tile
+      assert news == [layout], news
+    elif not bad:
+      dims = list(layout.dims)
+      dims[k] = dims[k][:-n_x]
+      expect = layout.with_(dims=tuple(dims), partial=layout.partial + x_axes,
+                            partial_kind="sum")
+      assert news == [expect], (news, expect)
+    hits.add(news)
+
+  check()
+  hits.check()
+
+
 # -- products with constants ----------------------------------------------------------------
 
 def times_constant(prog: Program, c: float, form: str) -> ir.Op:

@@ -18,8 +18,6 @@ KNOWN_UNPROVED = {
     "gpt2/dp_tp_grad/gspmd/ok": "backward pass: the loss-mean divide is partitioned in a "
                                 "form the lemmas do not cover yet",
     "llama3/dp_tp_grad/gspmd/ok": "backward pass: half-head kv split as above",
-    "llama3/tp_grad/shard_map/ok": "backward pass: the transposed jnp.repeat of the kv "
-                                   "heads (a reduce over the repeat dim) has no lemma yet",
 }
 
 
