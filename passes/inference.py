@@ -334,6 +334,11 @@ class RelationInference:
           l = Layout(model.dims)
         else:
           l = Layout.replicated(v.type.rank)
+        # Zeros are also a partial sum (or max) of zeros, at any scale: a pad or
+        # select with 0 keeps its neighbours' partial sums.
+        if self.splats[v.id] == 0.0 and model is not None and model.partial:
+          l = l.with_(partial=model.partial, partial_kind=model.partial_kind,
+                      scale=model.scale)
       out.append((r, l))
     return out
 

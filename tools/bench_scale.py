@@ -62,23 +62,26 @@ def _strategy(dp: int, tp: int):
                      S._tp_param_spec, S._dp_tp_par, (("batch", dp),))
 
 
-def _lower(cfg, dp, tp):
+def _lower(cfg, dp, tp, grad=False):
   import jax
   from graphguard_hlo.lowering import sequential_text
   from tools.zoo import strategies as S
   strat = _strategy(dp, tp)
-  case = S._shard_map_case("llama3", strat, cfg, "ok", strat.par())
+  if grad:  # a training step: loss and every gradient, inside shard_map
+    case = S._shard_map_grad_case("llama3", strat, cfg)
+  else:
+    case = S._shard_map_case("llama3", strat, cfg, "ok", strat.par())
   seq_text = sequential_text(case.seq_fn, *case.seq_args)
   dist_text = jax.jit(case.dist_fn).lower(*case.dist_args).as_text(debug_info=True)
   return case, seq_text, dist_text
 
 
-def measure(label: str, cfg, dp: int, tp: int, repeat: int) -> dict:
+def measure(label: str, cfg, dp: int, tp: int, repeat: int, grad: bool = False) -> dict:
   from graphguard_hlo.loaders.stablehlo import load_stablehlo
   from graphguard_hlo.passes.inference import verify_programs
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
   t = time.perf_counter()
-  case, seq_text, dist_text = _lower(cfg, dp, tp)
+  case, seq_text, dist_text = _lower(cfg, dp, tp, grad)
   lower_s = time.perf_counter() - t
   loads, verifies = [], []
   result = None
@@ -134,8 +137,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   rows = []
 
-  def run(label, cfg, dp=1, tp=8):
-    row = measure(label, cfg, dp, tp, args.repeat)
+  def run(label, cfg, dp=1, tp=8, grad=False):
+    row = measure(label, cfg, dp, tp, args.repeat, grad)
     rows.append(row)
     print(f"{row['label']:<34} {row['verdict']:<10} seq {row['seq_ops']:>6} dist "
           f"{row['dist_ops']:>6}  load {row['load_s']:>6.2f}s  verify {row['verify_s']:>6.2f}s"
@@ -146,6 +149,9 @@ def main(argv=None) -> int:
   for m in models:
     cfg = _config(m, layers=4 if args.quick else None)
     run(f"llama3-{m} tp=8, {cfg.layers} layers", cfg)
+  for m in models:
+    cfg = _config(m, layers=4 if args.quick else None)
+    run(f"llama3-{m} tp=8 fwd+bwd, {cfg.layers} L", cfg, grad=True)
   for layers in ([2, 4] if args.quick else [4, 8, 16, 32]):
     run(f"llama3-8b tp=8, {layers} layers", _config("8b", layers=layers))
   for dp in ([1, 2] if args.quick else [1, 2, 4, 8]):

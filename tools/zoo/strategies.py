@@ -414,7 +414,7 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_shard_map_grad_case(model, _STRATEGIES["tp"], cfg))
     built.append(_shard_map_grad_case("gpt2", _STRATEGIES["tp"], cfg, "double_counted_grad",
                                       check_vma=False, bug="double_counted_grad",
-                                      bug_primitive="add"))
+                                      bug_primitive="reduce"))
   return tuple(built)
 
 
