@@ -188,7 +188,7 @@ def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generato
   return out
 
 
-def spread_extrema(layout: Layout, mesh: ir.Mesh, local_at: dict, rng) -> dict:
+def spread_extrema(layout: Layout, mesh: Mesh, local_at: dict, rng) -> dict:
   """For max/min partial layouts make the partial pieces differ.
 
   ``shard`` gives every partial piece the whole tile, which any lemma would get

@@ -18,7 +18,6 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from graphguard_hlo.errors import InputError
 from graphguard_hlo.ir import Mesh, SdySharding
 from graphguard_hlo.passes.layout import Layout
 

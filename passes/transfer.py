@@ -24,7 +24,6 @@ from typing import Iterator, Optional
 import sympy
 
 from graphguard_hlo import ir
-from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol

@@ -4,7 +4,6 @@ loop body are reported at their op."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec as P
 

@@ -164,12 +164,11 @@ def main(argv=None) -> int:
   rows.append(base)
   print(f"{base['label']:<34} run both programs and compare: {base['run_compare_s']:.2f}s")
 
-  by = {r["label"]: r for r in rows}
   lay = [r for r in rows if r["label"].startswith("llama3-8b tp=8,") and "verify_s" in r]
   part = [r for r in rows if r["label"].startswith("llama3-8b dp=")]
   if len(lay) >= 2:
     per_layer = [r["verify_s"] / r["layers"] for r in lay]
-    print(f"\nverify seconds per layer (8B shape): "
+    print("\nverify seconds per layer (8B shape): "
           + ", ".join(f"{r['layers']}L {v * 1000:.1f} ms" for r, v in zip(lay, per_layer)))
   if len(part) >= 2:
     ratio = part[-1]["verify_s"] / part[0]["verify_s"]

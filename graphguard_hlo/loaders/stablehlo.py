@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -101,7 +101,6 @@ class _Importer:
     self.module.meshes[_sym_name(op)] = ir.Mesh(axes, ids)
 
   def _import_func(self, f) -> ir.Graph:
-    from jaxlib.mlir import ir as mlir_ir
     g = ir.Graph(_sym_name(f))
     block = f.regions[0].blocks[0]
     arg_attrs = f.attributes["arg_attrs"] if "arg_attrs" in f.attributes else None

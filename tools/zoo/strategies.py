@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax, shard_map
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tools.zoo.cases import Case, mesh_of
 from tools.zoo.models import (MODELS, Config, Parallel, arg_shapes, base_name,
