@@ -36,10 +36,8 @@ def _abstract_args(args: Sequence[Any], mesh, in_specs) -> list:
 def _input_layouts(relation: Optional[str], seq: ir.Module, program) -> Optional[list]:
   if relation is None:
     return None
-  from graphguard_hlo.relation_file import merge_layouts, parse_relation_file
-  given = parse_relation_file("<relation>", relation, [p.type.rank for p in seq.main.params],
-                              list(program.mesh.axis_names))
-  return merge_layouts(program.param_layouts, given)
+  from graphguard_hlo.relation_file import input_layouts
+  return input_layouts("<relation>", relation, seq, program)
 
 
 def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_specs=None,

@@ -52,7 +52,7 @@ def _run(args) -> int:
   from graphguard_hlo.passes.inference import RelationInference
   from graphguard_hlo.progress import Progress
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
-  from graphguard_hlo.relation_file import merge_layouts, parse_relation_file
+  from graphguard_hlo.relation_file import input_layouts
 
   if args.num_partitions is not None and args.num_partitions < 1:
     raise InputError(None, f"--num-partitions must be positive, got {args.num_partitions}")
@@ -70,9 +70,7 @@ def _run(args) -> int:
         text = f.read()
     except OSError as e:
       raise InputError(args.relation, f"cannot read: {e.strerror}") from None
-    given = parse_relation_file(args.relation, text, [p.type.rank for p in seq.main.params],
-                                list(program.mesh.axis_names))
-    layouts = merge_layouts(layouts, given)
+    layouts = input_layouts(args.relation, text, seq, program)
   inference = RelationInference(seq, program, layouts)  # kept: the HTML report reads it
   progress = Progress(len(seq.main.ops), enabled=False if args.quiet else None)
   inference.on_progress = progress.update

@@ -83,3 +83,10 @@ def _parse_layout(path, lineno, line, col0, spec, rank, axes) -> Layout:
 
 def merge_layouts(derived: list[Optional[Layout]], given: dict[int, Layout]) -> list[Optional[Layout]]:
   return [given.get(i, l) for i, l in enumerate(derived)]
+
+
+def input_layouts(path: str, text: str, seq, program) -> list[Optional[Layout]]:
+  """DIST's derived parameter layouts with the file's lines applied on top."""
+  given = parse_relation_file(path, text, [p.type.rank for p in seq.main.params],
+                              list(program.mesh.axis_names))
+  return merge_layouts(program.param_layouts, given)

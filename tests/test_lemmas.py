@@ -31,6 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from graphguard_hlo import ir, reference
+from tests.layout_draws import meshes, tiles
 from graphguard_hlo.passes import lemmas
 from graphguard_hlo.passes.inference import RelationInference
 from graphguard_hlo.passes.layout import Layout, assemble, shard, spread_extrema
@@ -53,16 +54,6 @@ class Case:
 
 
 # -- meshes, layouts, shapes, values --------------------------------------------------
-
-@st.composite
-def meshes(draw) -> ir.Mesh:
-  n = draw(st.integers(1, 3))
-  return ir.Mesh(tuple((name, draw(st.sampled_from([1, 2, 2, 3, 4]))) for name in "xyz"[:n]))
-
-
-def tiles(mesh: ir.Mesh, axes) -> int:
-  return math.prod(mesh.axis_size(a) for a in axes)
-
 
 def draw_layout(draw, mesh: ir.Mesh, rank: int, partial: bool = True,
                 kinds=KINDS, scales=SCALES, force_partial: bool = False) -> Layout:

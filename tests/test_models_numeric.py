@@ -36,14 +36,7 @@ def test_names_and_metadata():
     model, strategy, style, variant = c.name.split("/")
     assert c.program == model and style == c.style, c.name
     assert (variant == "ok") == (c.bug is None), c.name
-    assert (c.bug is None) == (c.bug_primitive is None), c.name
-    if c.style == "gspmd":
-      assert c.bug is None and c.dist_fn is c.seq_fn, c.name
-      assert c.in_shardings is not None and c.out_shardings is not None
-    for a in c.dist_args:
-      assert a.sharding is not None and a.sharding.mesh is c.mesh, c.name
-    for a in c.seq_args:
-      assert a.sharding is None, c.name
+    c.check_well_formed()
   assert {c.bug for c in BUGS} == {"rope_no_offset", "gqa_wrong_heads",
                                    "missing_allreduce", "loss_wrong_scale",
                                    "wrong_gather_dim", "double_counted_grad"}

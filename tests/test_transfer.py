@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from graphguard_hlo import ir, reference
+from tests.layout_draws import meshes, tiles
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.layout import Layout, assemble, shard, spread_extrema
 from graphguard_hlo.passes.rank_arith import RankArithmetic
@@ -34,16 +35,6 @@ SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
 
 
 # -- meshes, layouts, values (as in test_lemmas) -----------------------------------------
-
-@st.composite
-def meshes(draw) -> ir.Mesh:
-  n = draw(st.integers(1, 3))
-  return ir.Mesh(tuple((name, draw(st.sampled_from([1, 2, 2, 3, 4]))) for name in "xyz"[:n]))
-
-
-def tiles(mesh: ir.Mesh, axes) -> int:
-  return math.prod(mesh.axis_size(a) for a in axes)
-
 
 def draw_layout(draw, mesh: ir.Mesh, rank: int) -> Layout:
   """Each mesh axis tiles some dim, is partial, or is replicated; random order."""

@@ -25,15 +25,7 @@ def test_names_unique_and_get_roundtrips():
 
 def test_bug_metadata_is_consistent():
   for c in ALL:
-    assert c.style in ("shard_map", "gspmd"), c.name
-    assert (c.bug is None) == (c.bug_primitive is None), c.name
-    if c.style == "gspmd":
-      assert c.bug is None and c.dist_fn is c.seq_fn, c.name
-      assert c.in_shardings is not None and c.out_shardings is not None
-    for a in c.dist_args:
-      assert a.sharding is not None and a.sharding.mesh is c.mesh, c.name
-    for a in c.seq_args:
-      assert a.sharding is None, c.name
+    c.check_well_formed()
 
 
 def test_required_bugs_present():

@@ -60,6 +60,18 @@ class Case:
   def program(self) -> str:
     return self.name.split("/")[0]
 
+  def check_well_formed(self) -> None:
+    """The invariants every zoo case keeps (AssertionError naming the case)."""
+    assert self.style in ("shard_map", "gspmd"), self.name
+    assert (self.bug is None) == (self.bug_primitive is None), self.name
+    if self.style == "gspmd":
+      assert self.bug is None and self.dist_fn is self.seq_fn, self.name
+      assert self.in_shardings is not None and self.out_shardings is not None, self.name
+    for a in self.dist_args:
+      assert a.sharding is not None and a.sharding.mesh is self.mesh, self.name
+    for a in self.seq_args:
+      assert a.sharding is None, self.name
+
 
 # --------------------------------------------------------------------------
 # Sequential building blocks.  Written shape-generically so the same code is
