@@ -260,6 +260,11 @@ def canonical_local_op(name: str, attrs: dict, operand_types: list[ir.TensorType
 
   ``None`` means the op is the identity on its first operand.
   """
+  if name == "reduce" and len(operand_types) == 2 and all(
+      operand_types[0].shape[d] == 1 for d in attrs["dimensions"]):
+    # Over local unit dims only (the caller has checked the init is the
+    # identity): the per-device program was canonicalized to a reshape.
+    name, attrs, operand_types = "reshape", {}, operand_types[:1]
   if name in ("reshape", "broadcast_in_dim", "convert", "copy") and len(operand_types) == 1:
     src = operand_types[0]
     if src == result_type and (name != "broadcast_in_dim" or tuple(

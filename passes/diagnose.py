@@ -153,11 +153,13 @@ def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[La
   mine = [r for r in rels if r.cls == target]
   problems = []
   for r in mine:
-    if not r.layout.is_clean():
-      problems.append(f"output {i}: {_scale_words(r.layout.scale, inf.mesh)}")
-    elif r.layout.partial:
+    if r.layout.partial:
+      scaled = "" if r.layout.is_clean() else (
+          f", and each rank's part is {1.0 / r.layout.scale:g} times its share")
       problems.append(f"output {i} is a partial {r.layout.partial_kind} over "
-                      f"{_axes(r.layout.partial)} never reduced (missing all-reduce)")
+                      f"{_axes(r.layout.partial)} never reduced (missing all-reduce){scaled}")
+    elif not r.layout.is_clean():
+      problems.append(f"output {i}: {_scale_words(r.layout.scale, inf.mesh)}")
     elif declared is not None and r.layout != declared:
       problems.append(f"output {i} is laid out as {r.layout.describe('out')} but the "
                       f"distributed module declares {declared.describe('out')}")

@@ -10,6 +10,7 @@ proposes ``add(x, splat 1.0)`` finds XLA's ``add(x, broadcast(constant 1))``.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from graphguard_hlo import ir
@@ -57,14 +58,35 @@ def _splat_of(eg: EGraph, c: ClassId) -> Optional[float]:
   return None
 
 
-def fold_splats(eg: EGraph) -> bool:
-  """Elementwise ops whose operands are all splats are splats (constant folding)."""
+def _fold_all_reduce(attrs: dict, value: float, mesh: Optional[ir.Mesh]) -> Optional[float]:
+  """all_reduce of the same splat on every rank of a group of n: n * c for a
+  sum (``lax.psum(1, axis)``, the axis size), c for max and min."""
+  axes, kind = attrs.get("gg.axes"), attrs.get("gg.reduction")
+  if mesh is None or axes is None:
+    return None
+  if kind in ("max", "min"):
+    return value
+  if kind == "sum":
+    return value * math.prod(mesh.axis_size(a) for a in axes)
+  return None
+
+
+def fold_splats(eg: EGraph, mesh: Optional[ir.Mesh] = None) -> bool:
+  """Elementwise ops whose operands are all splats are splats (constant
+  folding); so are all-reduces of splats, given the mesh."""
   from graphguard_hlo.passes.lemmas import ELEMENTWISE
   changed = False
   for c in eg.classes():
     if _splat_of(eg, c) is not None:
       continue
     for n in list(eg.nodes(c)):
+      if n.op == "all_reduce" and len(n.children) == 1:
+        value = _splat_of(eg, n.children[0])
+        folded = None if value is None else _fold_all_reduce(dict(n.head[1]), value, mesh)
+        if folded is not None:
+          eg.union(c, eg.add(ENode(terms.splat_head(folded, n.head[2]))))
+          changed = True
+          break
       if n.op not in ELEMENTWISE or not n.children:
         continue
       values = [_splat_of(eg, k) for k in n.children]
@@ -82,7 +104,7 @@ def fold_splats(eg: EGraph) -> bool:
 class DistEGraph:
   """The saturated e-graph of a per-device program, with value <-> class maps."""
 
-  def __init__(self, graph: ir.Graph):
+  def __init__(self, graph: ir.Graph, mesh: Optional[ir.Mesh] = None):
     self.eg = EGraph()
     self.class_of: dict[int, ClassId] = {}
     self._values: dict[ClassId, list[ir.Value]] = {}
@@ -93,7 +115,7 @@ class DistEGraph:
     self.iterations = 0
     while True:  # normalize, fold constants, until neither finds anything new
       self.iterations += saturate(self.eg, NORMALIZATION_RULES)
-      if not fold_splats(self.eg):
+      if not fold_splats(self.eg, mesh):
         break
 
   def _bind(self, v: ir.Value, c: ClassId) -> None:

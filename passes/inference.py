@@ -28,7 +28,7 @@ from graphguard_hlo.errors import InputError
 from graphguard_hlo.gcutil import without_cyclic_gc
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.canonicalize import canonical_local_op
-from graphguard_hlo.passes.unit_dims import squeezed_variants
+from graphguard_hlo.passes.unit_dims import squeeze, squeezed_variants
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.dist_program import DistProgram
@@ -129,7 +129,7 @@ class RelationInference:
     self.opaque_ops: list[ir.Op] = []  # ops only known as opaque functions
     self.on_progress = None  # called with the number of ops done, for progress bars
     self.mesh = dist.mesh
-    self.deg = DistEGraph(dist.graph)
+    self.deg = DistEGraph(dist.graph, dist.mesh)
     self.users = op_users(dist.graph, self.deg)
     self.arith = RankArithmetic(self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
@@ -283,6 +283,10 @@ class RelationInference:
     found = self.deg.lookup(head, children)
     if found is not None or (op.regions and op.name != "reduce"):
       return found
+    if name == "reshape" and squeeze(operand_types[0]) == squeeze(step.result_type):
+      # Only unit dims inserted or dropped: the operand itself is the tile,
+      # up to unit dims (unit_dims.py), whether or not the device reshapes it.
+      return children[0]
     # Tiles with unit dims: the device may hold them squeezed (unit_dims.py).
     child_types = [self.deg.class_type(c) for c in children]
     for attrs2, result_type in squeezed_variants(name, attrs, operand_types, child_types,
@@ -295,7 +299,13 @@ class RelationInference:
     return None
 
   def _scale_by_constant(self, op: ir.Op) -> None:
-    """s * c and s / c relate wherever s does, with the scale adjusted."""
+    """s * c, s / c and -s relate wherever s does, with the scale adjusted."""
+    if op.name == "negate" and op.operands[0].id not in self.splats and \
+        op.results[0].type.dtype.startswith(("f", "bf")):
+      for r in list(self.relations.get(op.operands[0].id, [])):
+        self.add_relation(op.results[0], Relation(r.cls, r.layout.scaled(-1.0),
+                                                  f"scale-by-constant({r.how})"))
+      return
     if op.name not in ("multiply", "divide") or len(op.operands) != 2:
       return
     a, b = op.operands
@@ -326,7 +336,8 @@ class RelationInference:
 
   def _adopt_splat_layouts(self, op: ir.Op, combo):
     """A splat tiles any way: give it the tiling of its non-splat neighbours."""
-    model = next((l for r, l in combo if r != "splat"), None)
+    non_splat = [l for r, l in combo if r != "splat"]
+    model = non_splat[0] if non_splat else None
     out = []
     for (r, l), v in zip(combo, op.operands):
       if r == "splat":
@@ -335,10 +346,12 @@ class RelationInference:
         else:
           l = Layout.replicated(v.type.rank)
         # Zeros are also a partial sum (or max) of zeros, at any scale: a pad or
-        # select with 0 keeps its neighbours' partial sums.
-        if self.splats[v.id] == 0.0 and model is not None and model.partial:
-          l = l.with_(partial=model.partial, partial_kind=model.partial_kind,
-                      scale=model.scale)
+        # select with 0 keeps its neighbours' partial sums and scale.  (Not a reduce's
+        # init: that is the reduction's identity, added once per rank.)
+        summed = next((m for m in non_splat if m.partial or not m.is_clean()), None)
+        if self.splats[v.id] == 0.0 and summed is not None and op.name != "reduce":
+          l = l.with_(partial=summed.partial, partial_kind=summed.partial_kind,
+                      scale=summed.scale)
       out.append((r, l))
     return out
 

@@ -130,11 +130,14 @@ def _quotient(op: SeqOp, ls: Sequence[Layout]):
 
 
 def _select_linear(op: SeqOp, ls: Sequence[Layout]):
-  """select(p, sum a_r, sum b_r) = sum_r select(p, a_r, b_r) when p is not partial."""
+  """select(p, k*sum a_r, k*sum b_r) = k*sum_r select(p, a_r, b_r) when p is
+  not partial (a and b may be unreduced, or just scaled)."""
   p, a, b = ls
   if not _same_dims(ls) or p.partial or not p.is_clean():
     return
-  if a.partial and a.partial == b.partial and a.partial_kind == b.partial_kind == "sum" \
+  if not a.partial and a.is_clean():
+    return  # plain tiles: elementwise-over-tiles
+  if a.partial == b.partial and (not a.partial or a.partial_kind == b.partial_kind == "sum") \
       and scales_equal(a.scale, b.scale):
     yield op.attrs, a
 
@@ -414,7 +417,7 @@ LEMMAS: tuple[Lemma, ...] = (
     Lemma("quotient-of-partial-sum", frozenset({"divide"}),
           "(sum_r a_r) / b = sum_r (a_r / b);  (s*a) / (t*b) = (s/t) * (a/b)", _quotient),
     Lemma("select-of-partial-sums", frozenset({"select"}),
-          "select(p, sum_r a_r, sum_r b_r) = sum_r select(p, a_r, b_r)", _select_linear),
+          "select(p, k*sum_r a_r, k*sum_r b_r) = k*sum_r select(p, a_r, b_r)", _select_linear),
     Lemma("max-of-partial-max", frozenset({"maximum", "minimum"}),
           "max(max_r a_r, max_r b_r) = max_r max(a_r, b_r)", _monotone_max),
     Lemma("dot-general", frozenset({"dot_general"}),

@@ -68,8 +68,12 @@ def squeezed_variants(name: str, attrs: dict, operand_types: list[ir.TensorType]
     t, c = operand_types[0], child_types[0]
     m = _remap(t, c)
     dims = tuple(sorted(m[d] for d in attrs["dimensions"] if d in m))
-    shape = tuple(s for j, s in enumerate(c.shape) if j not in dims)
-    yield {**attrs, "dimensions": dims}, ir.TensorType(shape, result_type.dtype)
+    units = tuple(j for j, s in enumerate(c.shape) if s == 1)
+    # Reducing unit dims too only drops them from the result.
+    with_units = tuple(sorted(set(dims) | set(units)))
+    for variant in [dims] + ([with_units] if with_units != dims else []):
+      shape = tuple(s for j, s in enumerate(c.shape) if j not in variant)
+      yield {**attrs, "dimensions": variant}, ir.TensorType(shape, result_type.dtype)
   elif name == "dot_general":
     yield from _dot(attrs, operand_types, child_types, result_type)
 

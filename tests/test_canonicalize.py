@@ -117,6 +117,15 @@ def test_local_ops_get_the_same_normal_form(name, attrs, src, dst, expect):
   assert got == expect
 
 
+def test_local_reduce_over_unit_dims_gets_the_reshape_normal_form():
+  # A tile with one row per device: the sequential reduce over that dim is,
+  # locally, the reshape the per-device program was canonicalized to.
+  attrs = {"dimensions": (0,)}
+  assert canonical_local_op("reduce", attrs, [_t(1, 16, 4), _t()], _t(16, 4)) == ("reshape", {})
+  assert canonical_local_op("reduce", {"dimensions": ()}, [_t(2, 16), _t()], _t(2, 16)) is None
+  assert canonical_local_op("reduce", attrs, [_t(2, 16), _t()], _t(16)) == ("reduce", attrs)
+
+
 def _sum_region(m):
   r = ir.Graph("sum")
   a, b = m.new_value(_t(), name="a"), m.new_value(_t(), name="b")
