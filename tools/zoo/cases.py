@@ -234,6 +234,13 @@ def _dp_loss_local_sum(x, w, y):
   return lax.psum(jnp.sum((x @ w - y) ** 2), "dp") / global_count
 
 
+def _dp_loss_psum_count(x, w, y):
+  """Local sum over global count, the count a runtime psum of the local one
+  (an all-reduce of a constant on the devices, as autodiff's transposes make)."""
+  count = lax.psum(lax.pcast(np.float32(x.shape[0] * y.shape[1]), "dp", to="varying"), "dp")
+  return lax.psum(jnp.sum((x @ w - y) ** 2), "dp") / count
+
+
 def _dp_tp_mlp_local(reduce_axes):
   def local(x, w1, b1, w2, b2):
     return lax.psum(_mlp_partial(x, w1, b1, w2), reduce_axes) + b2
@@ -358,6 +365,7 @@ def _variants() -> list[_Variant]:
         "rope_no_offset", "iota"),
       V("dp_loss", _dp_loss_local_mean(_pmean("dp"))),
       V("dp_loss", _dp_loss_local_sum, "ok_psum_then_divide"),
+      V("dp_loss", _dp_loss_psum_count, "ok_psum_count"),
       # Sum of local means = n * global mean.  Every earlier value (x @ w, the
       # residual, its square, the local sums as partials) is right; only the
       # mean's division, the last sequential op, whose result *is* the output,

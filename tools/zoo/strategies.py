@@ -360,12 +360,15 @@ def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=N
 
 
 def _shard_map_grad_case(model, strategy, cfg, variant="ok", check_vma=True, bug=None,
-                         bug_primitive=None) -> Case:
+                         bug_primitive=None, sgd_step=False) -> Case:
   """A training step's forward and backward inside shard_map: value_and_grad of
   the local loss.  With the varying-axes checker on, jax's transpose of psum
   sums the gradients of replicated parameters; with it off (``check_vma=False``,
   the old semantics) every rank's psum transposes to another psum and those
-  gradients come out |tp| times too large: the classic double-counted gradient."""
+  gradients come out |tp| times too large: the classic double-counted gradient.
+
+  ``sgd_step``: return ``(loss, params - lr * grads)`` instead, one optimizer
+  step with each new parameter sharded like the old one."""
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _in_specs(model, strategy, cfg)
@@ -375,16 +378,31 @@ def _shard_map_grad_case(model, strategy, cfg, variant="ok", check_vma=True, bug
   local = loss_fn(model, cfg, strategy.par(), name=_ident(model, strategy.name, "grad"))
   vg_local = jax.value_and_grad(local, argnums=argnums)
 
+  if sgd_step:
+    vg_seq, vg_local = _sgd(vg_seq), _sgd(vg_local)
+
   def seq_fn(tokens, labels, *params):
     return vg_seq(tokens, labels, *params)
 
-  seq_fn.__name__ = seq_fn.__qualname__ = _ident(model, strategy.name, "grad_seq")
+  kind = "sgd" if sgd_step else "grad"
+  seq_fn.__name__ = seq_fn.__qualname__ = _ident(model, strategy.name, f"{kind}_seq")
   dist_fn = shard_map(vg_local, mesh=mesh, in_specs=specs, out_specs=(P(), tuple(specs[2:])),
                       check_vma=check_vma)
-  return Case(name=f"{model}/{strategy.name}_grad/shard_map/{variant}", seq_fn=seq_fn,
+  return Case(name=f"{model}/{strategy.name}_{kind}/shard_map/{variant}", seq_fn=seq_fn,
               dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
               dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
               style="shard_map", bug=bug, bug_primitive=bug_primitive)
+
+
+SGD_LEARNING_RATE = np.float32(0.1)
+
+
+def _sgd(value_and_grad):
+  """(tokens, labels, *params) -> (loss, new params) after one SGD step."""
+  def step(tokens, labels, *params):
+    loss, grads = value_and_grad(tokens, labels, *params)
+    return loss, tuple(p - SGD_LEARNING_RATE * g for p, g in zip(params, grads))
+  return step
 
 
 GRAD_STRATEGY = "dp_tp"
@@ -411,10 +429,22 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   if grad:
     for model in MODELS:
       built.append(_grad_case(model, _STRATEGIES[GRAD_STRATEGY], cfg))
-      built.append(_shard_map_grad_case(model, _STRATEGIES["tp"], cfg))
+      for strategy in _STRATEGIES.values():
+        built.append(_shard_map_grad_case(model, strategy, cfg))
+      built.append(_shard_map_grad_case(model, _STRATEGIES["dp_tp"], cfg, sgd_step=True))
+    # Under TP every psum transposes to another psum: the residual stream's
+    # gradient comes back from the layer |tp| times too large and unreduced,
+    # and the layernorm backward adds it to the (right) skip gradient.
     built.append(_shard_map_grad_case("gpt2", _STRATEGIES["tp"], cfg, "double_counted_grad",
                                       check_vma=False, bug="double_counted_grad",
-                                      bug_primitive="reduce"))
+                                      bug_primitive="add"))
+    # Under DP nothing sums the replicated parameters' gradients over "dp":
+    # the classic forgotten gradient all-reduce (each rank keeps its local
+    # batch's part, |dp| times too large since the loss is pmean'd).
+    for model in MODELS:
+      built.append(_shard_map_grad_case(model, _STRATEGIES["dp"], cfg, "grad_not_allreduced",
+                                        check_vma=False, bug="grad_not_allreduced",
+                                        bug_primitive="output"))
   return tuple(built)
 
 
