@@ -38,10 +38,10 @@ def _inline_graph(module: ir.Module, g: ir.Graph, depth: int) -> None:
       new_ops.append(op)
       continue
     body = ir.Graph(callee.name)
-    results = _clone_into(module, callee, op.operands, body, op.location)
-    _inline_graph(module, body, depth + 1)
+    _clone_into(module, callee, op.operands, body, op.location)
+    _inline_graph(module, body, depth + 1)  # (may replace values body returns)
     new_ops.extend(body.ops)
-    for r, v in zip(op.results, results):
+    for r, v in zip(op.results, body.results):
       replace[r.id] = v
   g.ops = new_ops
   g.results = [replace.get(v.id, v) for v in g.results]
