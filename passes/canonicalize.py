@@ -119,12 +119,24 @@ def _broadcast_expanding_units(module, graph, op) -> Optional[ir.Value]:
   squeezed_type = ir.TensorType(tuple(x.shape[i] for i in keep), x.type.dtype)
   squeeze = ir.Op("reshape", [x], {}, [], op.location)
   squeeze.results = [module.new_value(squeezed_type, squeeze, 0)]
-  inner = _simplify(module, graph, squeeze)
-  if inner is None:
-    graph.ops_to_place.append(squeeze)  # type: ignore[attr-defined]
-    inner = squeeze.results[0]
+  inner = _simplified_and_placed(module, graph, squeeze)
   return _emit(module, graph, op, "broadcast_in_dim", [inner],
                {"broadcast_dimensions": tuple(dims[i] for i in keep)})
+
+
+def _simplified_and_placed(module, graph, op: ir.Op) -> ir.Value:
+  """A helper op's value in normal form, every fresh op it became placed (a
+  fresh op a pattern returns is not in the graph until someone places it)."""
+  while True:
+    result = _simplify(module, graph, op)
+    if result is None:
+      graph.ops_to_place.append(op)  # type: ignore[attr-defined]
+      graph.known_ops.add(id(op))  # type: ignore[attr-defined]
+      return op.results[0]
+    producer = result.producer
+    if producer is None or producer is op or id(producer) in graph.known_ops:  # type: ignore[attr-defined]
+      return result
+    op = producer  # fresh: simplify and place it in turn
 
 
 def _iota_as_broadcast(module, graph, op) -> Optional[ir.Value]:
@@ -202,10 +214,10 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph) -> int:
   """Rewrite ``graph`` in place to the normal form; returns the rewrite count."""
   replace: dict[int, ir.Value] = {}
   out: list[ir.Op] = []
-  placed: set[int] = set()
   original = {id(op) for op in graph.ops}
   rewrites = 0
   graph.ops_to_place = []  # type: ignore[attr-defined]
+  graph.known_ops = set(original)  # type: ignore[attr-defined]
   for op in graph.ops:
     op.operands = [replace.get(v.id, v) for v in op.operands]
     for region in op.regions:
@@ -218,20 +230,21 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph) -> int:
         break
       rewrites += 1
       out.extend(graph.ops_to_place)  # type: ignore[attr-defined]
+      graph.known_ops.update(id(o) for o in graph.ops_to_place)  # type: ignore[attr-defined]
       graph.ops_to_place = []  # type: ignore[attr-defined]
-      if result.producer is not None and id(result.producer) not in placed \
-          and result.producer is not current and id(result.producer) not in original:
+      if result.producer is not None and result.producer is not current \
+          and id(result.producer) not in graph.known_ops:  # type: ignore[attr-defined]
         current = result.producer  # a fresh op: simplify it in turn
         continue
       final = result
       break
     if final is None:
       out.append(current)
-      placed.add(id(current))
+      graph.known_ops.add(id(current))  # type: ignore[attr-defined]
       final = current.results[0] if len(current.results) == 1 else None
     if final is not None and final is not op.results[0]:
       replace[op.results[0].id] = final
-  del graph.ops_to_place  # type: ignore[attr-defined]
+  del graph.ops_to_place, graph.known_ops  # type: ignore[attr-defined]
   graph.results = [replace.get(v.id, v) for v in graph.results]
   graph.ops = _without_dead_ops(out, graph.results)
   return rewrites

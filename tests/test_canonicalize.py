@@ -126,6 +126,22 @@ def test_local_reduce_over_unit_dims_gets_the_reshape_normal_form():
   assert canonical_local_op("reduce", attrs, [_t(2, 16), _t()], _t(16)) == ("reduce", attrs)
 
 
+def test_fresh_ops_made_inside_a_pattern_are_placed():
+  # broadcast stretching the unit dims of reshape(x): the squeeze the pattern
+  # makes is itself a reshape of a reshape, i.e. a fresh reshape(x) that must
+  # land in the graph (it once dangled).
+  m, g = _graph([_t(4, 8)])
+  r = _op(m, g, "reshape", [g.params[0]], _t(1, 1, 1, 32))
+  b = _op(m, g, "broadcast_in_dim", [r], _t(2, 16, 4, 32), broadcast_dimensions=(0, 1, 2, 3))
+  g.results = [b]
+  x = np.arange(32.0).reshape(4, 8)
+  _check(m, g, [x], ["reshape", "broadcast_in_dim"])
+  defined = {id(p) for p in g.params}
+  for op in g.ops:
+    assert all(id(v) in defined for v in op.operands), op
+    defined.update(id(v) for v in op.results)
+
+
 def _sum_region(m):
   r = ir.Graph("sum")
   a, b = m.new_value(_t(), name="a"), m.new_value(_t(), name="b")
