@@ -16,6 +16,7 @@ so a hash-cons hit is as good as for the proposed op.
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Optional
 
 from graphguard_hlo import ir
@@ -54,12 +55,14 @@ def squeezed_variants(name: str, attrs: dict, operand_types: list[ir.TensorType]
       yield attrs, ir.TensorType(c.shape, result_type.dtype)
   elif name == "broadcast_in_dim":
     t, c = operand_types[0], child_types[0]
-    if squeeze(c) != c:
-      return  # where the device's unit dims would map is its own choice
     m = _remap(t, c)
     inverse = {j: i for i, j in m.items()}
-    dims = tuple(attrs["broadcast_dimensions"][inverse[j]] for j in range(c.rank))
-    yield {"broadcast_dimensions": dims}, result_type
+    mapped = {j: attrs["broadcast_dimensions"][i] for j, i in inverse.items()}
+    for dims in _unit_dim_targets(c, mapped, result_type):
+      yield {"broadcast_dimensions": dims}, result_type
+    if squeeze(c) != c:
+      return  # (its squeezed result would need a choice too)
+    dims = tuple(mapped[j] for j in range(c.rank))
     if squeeze(result_type) != result_type:
       pos = _remap(result_type, squeeze(result_type))
       if all(d in pos for d in dims):
@@ -76,6 +79,25 @@ def squeezed_variants(name: str, attrs: dict, operand_types: list[ir.TensorType]
       yield {**attrs, "dimensions": variant}, ir.TensorType(shape, result_type.dtype)
   elif name == "dot_general":
     yield from _dot(attrs, operand_types, child_types, result_type)
+
+
+def _unit_dim_targets(c: ir.TensorType, mapped: dict[int, int], result_type: ir.TensorType
+                      ) -> Iterator[tuple[int, ...]]:
+  """broadcast_dimensions for operand ``c``: its non-unit dims go where
+  ``mapped`` says; each unit dim to a unit dim of the result, in increasing
+  order (the device's canonical broadcasts stretch no unit dims, and jax and
+  XLA keep broadcast dims increasing)."""
+  units = [j for j in range(c.rank) if j not in mapped]
+  if not units:
+    yield tuple(mapped[j] for j in range(c.rank))
+    return
+  free = [d for d, n in enumerate(result_type.shape) if n == 1 and d not in mapped.values()]
+  for targets in itertools.combinations(free, len(units)):
+    full = dict(mapped)
+    full.update(zip(units, targets))
+    dims = tuple(full[j] for j in range(c.rank))
+    if list(dims) == sorted(dims):
+      yield dims
 
 
 def _dot(attrs, operand_types, child_types, result_type):

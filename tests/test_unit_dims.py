@@ -71,6 +71,21 @@ def test_broadcast(data):
 
 @SETTINGS
 @given(st.data())
+def test_broadcast_of_a_tile_with_unit_dims(data):
+  # The device keeps a unit dim (one local head) that lands on a unit dim of
+  # the result: [16,1,4] -> [2,16,1,4] where the sequential tile is [16,4].
+  shape = data.draw(shapes_with_units(max_rank=3))
+  dev = data.draw(device_spelling(shape))
+  extra = data.draw(st.integers(1, 2))
+  out = list(shape) + [data.draw(st.sampled_from([1, 2])) for _ in range(extra)]
+  out += [1] * data.draw(st.integers(0, 2))
+  attrs = {"broadcast_dimensions": tuple(range(len(shape)))}
+  x = np.random.default_rng(3).standard_normal(shape)
+  _check("broadcast_in_dim", attrs, [x], out, [dev])
+
+
+@SETTINGS
+@given(st.data())
 def test_reduce(data):
   shape = data.draw(shapes_with_units(min_rank=2))
   dev = data.draw(device_spelling(shape))
