@@ -104,12 +104,16 @@ def fold_splats(eg: EGraph, mesh: Optional[ir.Mesh] = None) -> bool:
 class DistEGraph:
   """The saturated e-graph of a per-device program, with value <-> class maps."""
 
-  def __init__(self, graph: ir.Graph, mesh: Optional[ir.Mesh] = None):
+  def __init__(self, graph: ir.Graph, mesh: Optional[ir.Mesh] = None,
+               param_splats: Optional[dict[int, float]] = None):
     self.eg = EGraph()
     self.class_of: dict[int, ClassId] = {}
     self._values: dict[ClassId, list[ir.Value]] = {}
+    param_splats = param_splats or {}
     for i, p in enumerate(graph.params):
-      self._bind(p, self.eg.add(ENode(("param", i, p.type))))
+      head = (terms.splat_head(param_splats[i], p.type) if i in param_splats
+              else ("param", i, p.type))
+      self._bind(p, self.eg.add(ENode(head)))
     for op in graph.ops:
       self._add_op(op)
     self.iterations = 0

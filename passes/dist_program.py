@@ -33,6 +33,8 @@ class DistProgram:
   param_layouts: list[Optional[Layout]]
   result_layouts: list[Optional[Layout]]  # None: not declared, any clean layout will do
   kind: str                            # "shard_map" | "spmd"
+  # Parameters known to hold one constant (loop-invariant splat carries).
+  param_splats: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 def is_manual(module: ir.Module) -> bool:

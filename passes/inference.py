@@ -129,7 +129,7 @@ class RelationInference:
     self.opaque_ops: list[ir.Op] = []  # ops only known as opaque functions
     self.on_progress = None  # called with the number of ops done, for progress bars
     self.mesh = dist.mesh
-    self.deg = DistEGraph(dist.graph, dist.mesh)
+    self.deg = DistEGraph(dist.graph, dist.mesh, dist.param_splats)
     self.users = op_users(dist.graph, self.deg)
     self.arith = RankArithmetic(self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
@@ -283,6 +283,10 @@ class RelationInference:
     found = self.deg.lookup(head, children)
     if found is not None or (op.regions and op.name != "reduce"):
       return found
+    if name == "broadcast_in_dim":
+      found = self._lookup_composed_broadcast(attrs, children[0], step.result_type)
+      if found is not None:
+        return found
     if name == "reshape" and squeeze(operand_types[0]) == squeeze(step.result_type):
       # Only unit dims inserted or dropped: the operand itself is the tile,
       # up to unit dims (unit_dims.py), whether or not the device reshapes it.
@@ -294,6 +298,23 @@ class RelationInference:
       self.lookups += 1
       head2 = terms.op_head(name, attrs2, result_type, tuple(op.regions), k)
       found = self.deg.lookup(head2, children)
+      if found is not None:
+        return found
+    return None
+
+  def _lookup_composed_broadcast(self, attrs: dict, child: int,
+                                 result_type: ir.TensorType) -> Optional[int]:
+    """broadcast(broadcast(x)) as the one broadcast of x the per-device
+    program was canonicalized to (its broadcasts of broadcasts are composed)."""
+    outer = attrs["broadcast_dimensions"]
+    for node in list(self.deg.eg.nodes(child)):
+      if node.op != "broadcast_in_dim" or node.head[2].rank != len(outer):
+        continue  # (a class may hold the tile up to unit dims)
+      inner = dict(node.head[1])["broadcast_dimensions"]
+      composed = {"broadcast_dimensions": tuple(outer[d] for d in inner)}
+      self.lookups += 1
+      found = self.deg.lookup(terms.op_head("broadcast_in_dim", composed, result_type),
+                              node.children)
       if found is not None:
         return found
     return None

@@ -20,6 +20,7 @@ than 1 is never clean, it is kept only to say *how* an output is wrong.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Iterable, Optional
 
@@ -107,6 +108,31 @@ class Layout:
 
 
 # -- numeric semantics, for tests and cross-checks ------------------------------
+
+def tilings_with_local_shape(global_shape: tuple[int, ...], local_shape: tuple[int, ...],
+                             mesh: Mesh, limit: int = 16) -> list[Layout]:
+  """Every plain tiling (no partial sums) that cuts ``global_shape`` into
+  ``local_shape`` tiles, at most ``limit``: the layouts a splat may have."""
+  if len(global_shape) != len(local_shape):
+    return []
+  axes = [a for a, n in mesh.axes if n > 1]
+  per_dim = []
+  for g, l in zip(global_shape, local_shape):
+    if l == 0 or g % l:
+      return []
+    ratio = g // l
+    per_dim.append([combo for k in range(len(axes) + 1)
+                    for combo in itertools.permutations(axes, k)
+                    if math.prod(mesh.axis_size(a) for a in combo) == ratio])
+  out = []
+  for dims in itertools.product(*per_dim):
+    flat = [a for d in dims for a in d]
+    if len(flat) == len(set(flat)):
+      out.append(Layout(tuple(dims)))
+      if len(out) >= limit:
+        break
+  return out
+
 
 def assemble(layout: Layout, mesh: Mesh, local_at: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
   """The sequential tensor a layout says the per-rank values ``local_at`` stand for.

@@ -28,6 +28,9 @@ class RankArithmetic:
   def __init__(self, mesh: ir.Mesh):
     self.mesh = mesh
     self._memo: dict[int, Optional[sympy.Expr]] = {}
+    # Loop-body parameters that hold an outer value unchanged (invariant
+    # carries: jax and XLA hoist index arithmetic out of loops).
+    self.aliases: dict[int, ir.Value] = {}
     self.bounds = {rank_symbol(a): (0, n - 1) for a, n in mesh.axes}
 
   def partition_id(self) -> sympy.Expr:
@@ -50,6 +53,8 @@ class RankArithmetic:
 
   def _eval(self, v: ir.Value) -> Optional[sympy.Expr]:
     op = v.producer
+    if op is None and v.id in self.aliases:
+      return self.value(self.aliases[v.id])
     if op is None or math.prod(v.shape) != 1:
       return None
     if v.type.dtype.startswith(("f", "bf")) and op.name not in ("convert", "reshape",
