@@ -291,4 +291,11 @@ def canonical_local_op(name: str, attrs: dict, operand_types: list[ir.TensorType
 
 
 def canonicalize_module(module: ir.Module) -> int:
-  return sum(canonicalize_graph(module, g) for g in module.functions.values())
+  from graphguard_hlo.passes.loop_copies import forward_stacked_copies
+  rewrites = 0
+  for g in module.functions.values():
+    rewrites += canonicalize_graph(module, g)
+    if forward_stacked_copies(g):
+      rewrites += 1
+      g.ops = _without_dead_ops(g.ops, g.results)
+  return rewrites

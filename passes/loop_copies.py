@@ -1,0 +1,130 @@
+"""Loops that copy a stacked input row by row: their result is that input.
+
+Under ``value_and_grad`` the forward ``lax.scan`` saves residuals for the
+backward scan by writing one row per iteration into a zero-initialized stack.
+When the residual is a layer's weight slice itself (in shard_map a replicated
+weight is ``pvary``'d per layer, and the pvary'd value is what is saved), the
+stack is rebuilt row by row from the stacked weights, and the backward loop
+reads the copy instead of the weights.  The sequential program reads the
+weights.  This pass replaces uses of such a loop result by the stacked input:
+
+    i = 0;  while i < N:  acc = dynamic_update_slice(acc, units(ds(W, [i,0..]), [i,0..]);  i += 1
+
+with ``W`` a carry the body passes through unchanged, ``N == W.shape[0]``, the
+slice one full row of ``W`` and ``units`` only dropping or inserting unit dims.
+Every row 0..N-1 of ``acc`` is overwritten with the same row of ``W``, so the
+loop result is ``W`` whatever ``acc`` started as.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes import terms
+
+
+def _squeezed(t: ir.TensorType) -> tuple[int, ...]:
+  return tuple(d for d in t.shape if d != 1)
+
+
+def _invariant(body: ir.Graph, v: ir.Value) -> Optional[int]:
+  """The carry index if ``v`` is a body parameter passed through unchanged."""
+  for j, p in enumerate(body.params):
+    if p is v:
+      return j if j < len(body.results) and body.results[j] is p else None
+  return None
+
+
+def _splat(loop: ir.Op, body: ir.Graph, v: ir.Value) -> Optional[float]:
+  """The constant ``v`` holds: a splat, or an invariant carry starting as one."""
+  value = terms.splat_value(v)
+  if value is not None:
+    return value
+  j = _invariant(body, v)
+  return None if j is None else terms.splat_value(loop.operands[j])
+
+
+def _counter(loop: ir.Op) -> Optional[tuple[int, int]]:
+  """(carry index, bound N) of a counter going 0, 1, ... while < N."""
+  cond, body = loop.regions
+  if len(cond.results) != 1 or cond.results[0].producer is None:
+    return None
+  cmp = cond.results[0].producer
+  if cmp.name != "compare" or cmp.attrs.get("comparison_direction") != "LT":
+    return None
+  x, bound = cmp.operands
+  n = terms.splat_value(bound)
+  i = next((j for j, p in enumerate(cond.params) if p is x), None)
+  if n is None or i is None:
+    return None
+  step = body.results[i].producer if i < len(body.results) else None
+  if step is None or step.name != "add" or terms.splat_value(loop.operands[i]) != 0:
+    return None
+  a, b = step.operands
+  if not ((a is body.params[i] and terms.splat_value(b) == 1)
+          or (b is body.params[i] and terms.splat_value(a) == 1)):
+    return None
+  return i, int(n)
+
+
+def _through_unit_dims(v: ir.Value) -> ir.Value:
+  """Back through reshapes and increasing broadcasts that only change unit dims."""
+  while v.producer is not None and v.producer.name in ("reshape", "broadcast_in_dim"):
+    op = v.producer
+    src = op.operands[0]
+    if _squeezed(src.type) != _squeezed(v.type):
+      break
+    if op.name == "broadcast_in_dim":
+      dims = list(op.attrs["broadcast_dimensions"])
+      if dims != sorted(dims):
+        break
+    v = src
+  return v
+
+
+def _copied_input(loop: ir.Op, k: int, counter: int, n: int) -> Optional[int]:
+  """The invariant carry whose rows carry ``k`` is rebuilt from, if it is."""
+  body = loop.regions[1]
+  dus = body.results[k].producer
+  if dus is None or dus.name != "dynamic_update_slice" or dus.operands[0] is not body.params[k]:
+    return None
+  update, *starts = dus.operands[1:]
+  row = _through_unit_dims(update)
+  ds = row.producer
+  if ds is None or ds.name != "dynamic_slice":
+    return None
+  w, *ds_starts = ds.operands
+  src = _invariant(body, w)
+  if src is None or w.type != body.params[k].type or w.shape[0] != n:
+    return None
+  if tuple(ds.attrs["slice_sizes"]) != (1, *w.shape[1:]) or update.shape[0] != 1:
+    return None
+  for idx in (starts, ds_starts):
+    if idx[0] is not body.params[counter] or any(
+        _splat(loop, body, s) != 0 for s in idx[1:]):
+      return None
+  return src
+
+
+def forward_stacked_copies(graph: ir.Graph) -> int:
+  """Replace uses of copying-loop results by the copied input; returns how many."""
+  replace: dict[int, ir.Value] = {}
+  for op in graph.ops:
+    for region in op.regions:
+      forward_stacked_copies(region)
+    if op.name != "while" or len(op.regions) != 2:
+      continue
+    found = _counter(op)
+    if found is None:
+      continue
+    counter, n = found
+    for k in range(len(op.results)):
+      src = _copied_input(op, k, counter, n)
+      if src is not None:
+        replace[op.results[k].id] = op.operands[src]
+  if replace:
+    for op in graph.walk():
+      op.operands = [replace.get(v.id, v) for v in op.operands]
+    graph.results = [replace.get(v.id, v) for v in graph.results]
+  return len(replace)
