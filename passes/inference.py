@@ -110,6 +110,19 @@ class Result:
             "failure": None if self.failure is None else self.failure.to_json()}
 
 
+def _only_unit_dims_change(name: str, attrs: dict, operand_types, result_type) -> bool:
+  """A reshape, or a broadcast that stretches nothing and keeps dim order,
+  that only inserts or drops unit dims."""
+  if name not in ("reshape", "broadcast_in_dim") or \
+      squeeze(operand_types[0]).shape != squeeze(result_type).shape:
+    return False
+  if name == "broadcast_in_dim":
+    dims = list(attrs["broadcast_dimensions"])
+    return dims == sorted(dims) and math.prod(operand_types[0].shape) == math.prod(
+        result_type.shape)
+  return True
+
+
 def _value_name(v: Optional[ir.Value]) -> str:
   if v is None:
     return "%?"
@@ -287,9 +300,9 @@ class RelationInference:
       found = self._lookup_composed_broadcast(attrs, children[0], step.result_type)
       if found is not None:
         return found
-    if name == "reshape" and squeeze(operand_types[0]) == squeeze(step.result_type):
-      # Only unit dims inserted or dropped: the operand itself is the tile,
-      # up to unit dims (unit_dims.py), whether or not the device reshapes it.
+    if _only_unit_dims_change(name, attrs, operand_types, step.result_type):
+      # The operand itself is the tile, up to unit dims (unit_dims.py),
+      # whether or not the device reshapes it.
       return children[0]
     # Tiles with unit dims: the device may hold them squeezed (unit_dims.py).
     child_types = [self.deg.class_type(c) for c in children]
