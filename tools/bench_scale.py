@@ -53,20 +53,25 @@ def _config(model: str, layers=None, seq=2048, batch=1):
                 layers=layers or n, mlp_hidden=ff)
 
 
-def _strategy(dp: int, tp: int):
+def _strategy(dp: int, tp: int, sp: bool = False):
+  """Megatron TP over "tp" (with ``sp``: sequence parallel on the same axis,
+  Korthikanti et al.), the batch over "dp"."""
   from jax.sharding import PartitionSpec as P
   from tools.zoo import strategies as S
+  if sp:
+    assert dp == 1
+    return S._Strategy(f"sp{tp}", (tp,), ("tp",), P(None, "tp"), S._sp_param_spec, S._sp_par)
   if dp == 1:
     return S._Strategy(f"tp{tp}", (tp,), ("tp",), P(), S._tp_param_spec, S._tp_par)
   return S._Strategy(f"dp{dp}_tp{tp}", (dp, tp), ("dp", "tp"), P("dp", None),
                      S._tp_param_spec, S._dp_tp_par, (("batch", dp),))
 
 
-def _lower(cfg, dp, tp, grad=False):
+def _lower(cfg, dp, tp, grad=False, sp=False):
   import jax
   from graphguard_hlo.lowering import sequential_text
   from tools.zoo import strategies as S
-  strat = _strategy(dp, tp)
+  strat = _strategy(dp, tp, sp)
   if grad:  # a training step: loss and every gradient, inside shard_map
     case = S._shard_map_grad_case("llama3", strat, cfg)
   else:
@@ -76,12 +81,13 @@ def _lower(cfg, dp, tp, grad=False):
   return case, seq_text, dist_text
 
 
-def measure(label: str, cfg, dp: int, tp: int, repeat: int, grad: bool = False) -> dict:
+def measure(label: str, cfg, dp: int, tp: int, repeat: int, grad: bool = False,
+            sp: bool = False) -> dict:
   from graphguard_hlo.loaders.stablehlo import load_stablehlo
   from graphguard_hlo.passes.inference import verify_programs
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
   t = time.perf_counter()
-  case, seq_text, dist_text = _lower(cfg, dp, tp, grad)
+  case, seq_text, dist_text = _lower(cfg, dp, tp, grad, sp)
   lower_s = time.perf_counter() - t
   loads, verifies = [], []
   result = None
@@ -106,7 +112,7 @@ def measure(label: str, cfg, dp: int, tp: int, repeat: int, grad: bool = False) 
   tracemalloc.stop()
   peaks = [peak]
   return {"label": label, "layers": cfg.layers, "d_model": cfg.d_model, "partitions": dp * tp,
-          "dp": dp, "tp": tp, "verdict": result.verdict,
+          "dp": dp, "tp": tp, "sp": sp, "grad": grad, "verdict": result.verdict,
           "seq_ops": result.stats["seq_ops"], "dist_ops": result.stats["dist_ops"],
           "lower_s": round(lower_s, 3), "load_s": round(statistics.median(loads), 3),
           "verify_s": round(statistics.median(verifies), 3),
@@ -137,8 +143,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   rows = []
 
-  def run(label, cfg, dp=1, tp=8, grad=False):
-    row = measure(label, cfg, dp, tp, args.repeat, grad)
+  def run(label, cfg, dp=1, tp=8, grad=False, sp=False):
+    row = measure(label, cfg, dp, tp, args.repeat, grad, sp)
     rows.append(row)
     print(f"{row['label']:<34} {row['verdict']:<10} seq {row['seq_ops']:>6} dist "
           f"{row['dist_ops']:>6}  load {row['load_s']:>6.2f}s  verify {row['verify_s']:>6.2f}s"
@@ -152,6 +158,9 @@ def main(argv=None) -> int:
   for m in models:
     cfg = _config(m, layers=4 if args.quick else None)
     run(f"llama3-{m} tp=8 fwd+bwd, {cfg.layers} L", cfg, grad=True)
+  for m in models:
+    cfg = _config(m, layers=4 if args.quick else None)
+    run(f"llama3-{m} tp=8 x sp fwd+bwd, {cfg.layers} L", cfg, grad=True, sp=True)
   for layers in ([2, 4] if args.quick else [4, 8, 16, 32]):
     run(f"llama3-8b tp=8, {layers} layers", _config("8b", layers=layers))
   for dp in ([1, 2] if args.quick else [1, 2, 4, 8]):

@@ -5,7 +5,8 @@ Both models map ``(tokens, labels, *params)`` to a scalar cross-entropy loss
 ``params`` is a flat tuple of float32 arrays in the order of
 ``param_specs(model, cfg)``, so a lowered module has one parameter per array
 and the sequential and distributed modules match parameters by position.
-Layers are unrolled with a Python loop: no ``scan``/``while`` in the modules.
+Layers are unrolled with a Python loop (no ``scan``/``while`` in the modules),
+or with ``Config.scan_layers`` stacked and run under ``lax.scan``.
 
 The forward functions are written once and are shape-generic: the batch,
 sequence and head counts are read off the (possibly per-device) shapes of the
@@ -52,6 +53,9 @@ class Config:
   # Token lookup: "one_hot" (one_hot(tokens) @ table, a dot_general) or
   # "take" (jnp.take, a gather).
   embedding: str = "one_hot"
+  # Layers stacked ([layers, ...] parameters named ``layers.<base>``) and run
+  # under ``lax.scan`` (a while loop in the modules) instead of unrolled.
+  scan_layers: bool = False
 
   def __post_init__(self):
     assert self.embedding in ("one_hot", "take"), self
@@ -121,46 +125,66 @@ SEQUENTIAL = Parallel()
 # --------------------------------------------------------------------------
 
 
-def param_specs(model: str, cfg: Config) -> list[tuple[str, tuple]]:
-  """(name, global shape) of every parameter, in argument order.  Per-layer
-  names are ``l{i}.{base}``; ``base_name`` strips the prefix."""
-  d, f, v, hd = cfg.d_model, cfg.mlp_hidden, cfg.vocab, cfg.head_dim
-  out: list[tuple[str, tuple]] = []
+def _layer_params(model: str, cfg: Config) -> list[tuple[str, tuple]]:
+  """(base name, shape) of one layer's parameters."""
+  d, f, hd = cfg.d_model, cfg.mlp_hidden, cfg.head_dim
   if model == "gpt2":
-    out += [("wte", (v, d)), ("wpe", (cfg.seq, d))]
-    for i in range(cfg.layers):
-      out += [(f"l{i}.{n}", s) for n, s in [
-          ("ln1_g", (d,)), ("ln1_b", (d,)),
-          ("wq", (d, d)), ("bq", (d,)), ("wk", (d, d)), ("bk", (d,)),
-          ("wv", (d, d)), ("bv", (d,)), ("wo", (d, d)), ("bo", (d,)),
-          ("ln2_g", (d,)), ("ln2_b", (d,)),
-          ("w_fc", (d, f)), ("b_fc", (f,)), ("w_proj", (f, d)), ("b_proj", (d,)),
-      ]]
-    out += [("lnf_g", (d,)), ("lnf_b", (d,))]
-  elif model == "llama3":
-    out += [("emb", (v, d))]
-    for i in range(cfg.layers):
-      out += [(f"l{i}.{n}", s) for n, s in [
-          ("attn_norm", (d,)),
+    return [("ln1_g", (d,)), ("ln1_b", (d,)),
+            ("wq", (d, d)), ("bq", (d,)), ("wk", (d, d)), ("bk", (d,)),
+            ("wv", (d, d)), ("bv", (d,)), ("wo", (d, d)), ("bo", (d,)),
+            ("ln2_g", (d,)), ("ln2_b", (d,)),
+            ("w_fc", (d, f)), ("b_fc", (f,)), ("w_proj", (f, d)), ("b_proj", (d,))]
+  return [("attn_norm", (d,)),
           ("wq", (d, cfg.heads * hd)), ("wk", (d, cfg.kv_heads * hd)),
           ("wv", (d, cfg.kv_heads * hd)), ("wo", (cfg.heads * hd, d)),
           ("mlp_norm", (d,)),
-          ("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d)),
-      ]]
-    out += [("final_norm", (d,)), ("head", (d, v))]
-  else:
+          ("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d))]
+
+
+def param_specs(model: str, cfg: Config) -> list[tuple[str, tuple]]:
+  """(name, global shape) of every parameter, in argument order.  Per-layer
+  names are ``l{i}.{base}``, or with ``cfg.scan_layers`` one stacked
+  ``layers.{base}`` of shape ``[layers, ...]``; ``base_name`` strips the prefix."""
+  d, v = cfg.d_model, cfg.vocab
+  if model not in MODELS:
     raise ValueError(f"unknown model {model!r}; known: {MODELS}")
-  return out
+  if cfg.scan_layers:
+    layers = [(f"layers.{n}", (cfg.layers, *s)) for n, s in _layer_params(model, cfg)]
+  else:
+    layers = [(f"l{i}.{n}", s) for i in range(cfg.layers)
+              for n, s in _layer_params(model, cfg)]
+  if model == "gpt2":
+    return [("wte", (v, d)), ("wpe", (cfg.seq, d))] + layers + [
+        ("lnf_g", (d,)), ("lnf_b", (d,))]
+  return [("emb", (v, d))] + layers + [("final_norm", (d,)), ("head", (d, v))]
+
+
+def is_stacked(name: str) -> bool:
+  return name.startswith("layers.")
 
 
 def base_name(name: str) -> str:
-  return name.split(".", 1)[1] if name.startswith("l") and "." in name else name
+  return name.split(".", 1)[1] if "." in name else name
 
 
 def _unpack(model: str, cfg: Config, params) -> dict:
   names = [n for n, _ in param_specs(model, cfg)]
   assert len(params) == len(names), (model, len(params), len(names))
   return dict(zip(names, params))
+
+
+def _run_layers(h, p: dict, cfg: Config, layer: Callable):
+  """h after every layer; ``layer(h, w)`` reads its weights as ``w(base)``."""
+  if not cfg.scan_layers:
+    for i in range(cfg.layers):
+      h = layer(h, lambda n, i=i: p[f"l{i}.{n}"])
+    return h
+  stacked = {base_name(k): v for k, v in p.items() if is_stacked(k)}
+
+  def body(h, ws):
+    return layer(h, lambda n: ws[n]), None
+
+  return lax.scan(body, h, stacked)[0]
 
 
 # --------------------------------------------------------------------------
@@ -231,8 +255,8 @@ def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
   # Token embedding plus learned positions (wpe holds this device's rows:
   # all of them, or its sequence shard).
   h = embed(tokens, wte, cfg) + p["wpe"][None]
-  for i in range(cfg.layers):
-    w = lambda n: p[f"l{i}.{n}"]
+
+  def layer(h, w):
     a = par.gather_seq(layernorm(h, w("ln1_g"), w("ln1_b")))
     b, s, _ = a.shape
     q = (a @ w("wq") + w("bq")).reshape(b, s, -1, hd)
@@ -242,7 +266,9 @@ def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
     h = h + (par.reduce_attn(attn) + w("bo"))
     m = par.gather_seq(layernorm(h, w("ln2_g"), w("ln2_b")))
     mlp = jax.nn.gelu(m @ w("w_fc") + w("b_fc"), approximate=True) @ w("w_proj")
-    h = h + (par.reduce_mlp(mlp) + w("b_proj"))
+    return h + (par.reduce_mlp(mlp) + w("b_proj"))
+
+  h = _run_layers(h, p, cfg, layer)
   h = layernorm(h, p["lnf_g"], p["lnf_b"])
   logits = h @ wte.T                              # tied output head
   return par.combine_loss(cross_entropy(logits, labels))
@@ -273,14 +299,16 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
   # rotary tables are built for the full sequence attention runs over.
   pos = par.gather_seq(par.positions(tokens.shape[1]), 0)
   cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_base)
-  for i in range(cfg.layers):
-    w = lambda n: p[f"l{i}.{n}"]
+
+  def layer(h, w):
     a = par.gather_seq(rmsnorm(h, w("attn_norm")))
     attn = _gqa_attention(a, w("wq"), w("wk"), w("wv"), cos, sin, cfg, par)
     h = h + par.reduce_attn(attn @ w("wo"))
     m = par.gather_seq(rmsnorm(h, w("mlp_norm")))
     mlp = (jax.nn.silu(m @ w("w_gate")) * (m @ w("w_up"))) @ w("w_down")
-    h = h + par.reduce_mlp(mlp)
+    return h + par.reduce_mlp(mlp)
+
+  h = _run_layers(h, p, cfg, layer)
   h = rmsnorm(h, p["final_norm"])
   logits = h @ p["head"]                          # untied output head
   return par.combine_loss(cross_entropy(logits, labels))

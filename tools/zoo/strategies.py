@@ -51,7 +51,7 @@ from jax import lax, shard_map
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tools.zoo.cases import Case, mesh_of
-from tools.zoo.models import (MODELS, Config, Parallel, arg_shapes, base_name,
+from tools.zoo.models import (MODELS, Config, Parallel, arg_shapes, base_name, is_stacked,
                               loss_fn, param_specs, repeat_kv)
 
 
@@ -246,10 +246,14 @@ def _cfg(strategy: _Strategy, base: Config) -> Config:
   return dataclasses.replace(base, **dict(strategy.cfg_overrides))
 
 
+def _param_spec(model: str, strategy: _Strategy, name: str) -> P:
+  spec = strategy.param_spec(model, name)
+  return P(None, *spec) if is_stacked(name) else spec  # the layer dim is whole
+
+
 def _in_specs(model: str, strategy: _Strategy, cfg: Config) -> tuple:
   return ((strategy.token_spec, strategy.token_spec)
-          + tuple(strategy.param_spec(model, n) for n, _ in
-                  param_specs(model, cfg)))
+          + tuple(_param_spec(model, strategy, n) for n, _ in param_specs(model, cfg)))
 
 
 @functools.cache
@@ -394,6 +398,11 @@ def _shard_map_grad_case(model, strategy, cfg, variant="ok", check_vma=True, bug
               style="shard_map", bug=bug, bug_primitive=bug_primitive)
 
 
+def _scanned(strategy: _Strategy) -> _Strategy:
+  return dataclasses.replace(strategy, name=f"{strategy.name}_scan",
+                             cfg_overrides=strategy.cfg_overrides + (("scan_layers", True),))
+
+
 SGD_LEARNING_RATE = np.float32(0.1)
 
 
@@ -426,6 +435,19 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   for model in MODELS:
     for strategy in _STRATEGIES.values():
       built.append(_gspmd_case(model, strategy, cfg))
+  # Layers stacked under lax.scan: proved by one inductive step of the loop.
+  for model in MODELS:
+    for strategy in _STRATEGIES.values():
+      scan = _scanned(strategy)
+      built.append(_shard_map_case(model, scan, cfg, "ok", scan.par()))
+      if grad:
+        built.append(_shard_map_grad_case(model, scan, cfg))
+    built.append(_gspmd_case(model, _scanned(_STRATEGIES["tp"]), cfg))
+  # The missing all-reduce inside the scanned layer: reported in the body.
+  scan_tp = _scanned(_STRATEGIES["tp"])
+  built.append(_shard_map_case("llama3", scan_tp, cfg, "missing_allreduce",
+                               _tp_par(reduce_attn=_no_reduce), "missing_allreduce", "add",
+                               check_vma=False))
   if grad:
     for model in MODELS:
       built.append(_grad_case(model, _STRATEGIES[GRAD_STRATEGY], cfg))
