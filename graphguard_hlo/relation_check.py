@@ -1,0 +1,152 @@
+"""Hold every inferred relation against numbers: a guard on the verifier itself.
+
+Run the sequential program on random inputs and the per-device program on
+every rank with those inputs laid out by the input relations (the reference
+interpreter, ``interpret.py``), then, for each relation ``s ~ layout of d``
+the inference earned, rebuild ``s`` from the ranks' values of ``d`` by the
+layout (``layout.assemble``) and compare.  A wrong lemma, transfer rule,
+normalization rule or canonicalization shows up as a relation that does not
+hold, at the first value where it goes wrong.  Values of one e-class must
+agree too (the e-graph's equalities).
+
+Relations are claims about every input, so random inputs can only refute
+them; a run where all hold is evidence, not proof.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from graphguard_hlo import ir
+from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords
+from graphguard_hlo.passes.layout import Layout, assemble, shard
+
+RTOL = 2e-3
+INT_HIGH = 8  # integer inputs (token ids, labels) are drawn from [0, INT_HIGH)
+
+
+@dataclasses.dataclass
+class RelationCheck:
+  checked: int = 0          # relations held against numbers
+  unknown: int = 0          # relations on values the interpreter could not compute
+  classes_checked: int = 0  # e-classes with several values, all agreeing
+  failures: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def ok(self) -> bool:
+    return not self.failures
+
+
+def random_value(t: ir.TensorType, rng: np.random.Generator) -> np.ndarray:
+  if t.dtype in ("pred", "i1"):
+    return rng.integers(0, 2, t.shape).astype(bool)
+  if t.dtype.startswith(("i", "ui")):
+    return rng.integers(0, INT_HIGH, t.shape).astype(np.int64)
+  return rng.standard_normal(t.shape) * 0.5
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  if got.shape != want.shape:
+    return False
+  scale = max(1.0, float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)))
+  return bool(np.allclose(got, want, rtol=RTOL, atol=RTOL * scale, equal_nan=True))
+
+
+def check_relations(inference, seed: int = 0) -> RelationCheck:
+  """``inference``: a ``RelationInference`` that has run."""
+  rng = np.random.default_rng(seed)
+  mesh = inference.mesh
+  out = RelationCheck()
+  try:
+    coords = mesh_coords(mesh)
+  except Unsupported as e:
+    out.failures.append(f"cannot simulate the mesh: {e}")
+    return out
+  seq_graph, dist_graph = inference.seq, inference.dist.graph
+  seq_inputs, dist_inputs = [], []
+  for i, p in enumerate(seq_graph.params):
+    x = random_value(p.type, rng)
+    layout = inference.input_layouts[i] if i < len(inference.input_layouts) else None
+    layout = layout or Layout.replicated(p.type.rank)
+    local = shard(layout, mesh, x, rng)
+    seq_inputs.append([x])
+    dist_inputs.append([np.asarray(local[c]).astype(x.dtype) for c in coords])
+  seq_env = Interpreter(1).run(seq_graph, seq_inputs)
+  dist_env = Interpreter(len(coords)).run(dist_graph, dist_inputs)
+
+  seq_values = {p.id: p for p in seq_graph.params}
+  seq_values.update({r.id: r for op in seq_graph.ops for r in op.results})
+  for sid, rels in inference.relations.items():
+    s = seq_values.get(sid)
+    if s is None:
+      continue  # a loop body's value: checked by its loop's relations
+    for r in rels:
+      d = inference.deg.value(r.cls)
+      if sid not in seq_env or d is None or d.id not in dist_env:
+        out.unknown += 1
+        continue
+      problem = _relation_problem(s, seq_env[sid][0], r.layout, dist_env[d.id], mesh, coords)
+      out.checked += 1
+      if problem:
+        out.failures.append(f"{_name(s)} ~ {r.layout.describe(_name(d))} [{r.how}]: {problem}")
+  _check_classes(inference, dist_env, out)
+  return out
+
+
+def _relation_problem(s: ir.Value, want: np.ndarray, layout: Layout, per_rank: list,
+                      mesh: ir.Mesh, coords) -> Optional[str]:
+  tile = layout.local_shape(s.shape, mesh)
+  if tile is None:
+    return "the layout does not tile the sequential shape"
+  local_at = {}
+  for c, x in zip(coords, per_rank):
+    x = np.asarray(x)
+    if x.size != int(np.prod(tile)):
+      return f"per-device value has {x.size} elements, the tile {tuple(tile)}"
+    local_at[c] = x.reshape(tile)  # relations hold up to unit dims
+  try:
+    got = assemble(layout, mesh, local_at)
+  except AssertionError:
+    return "ranks that should hold the same tile disagree"
+  if not _close(got, want):
+    err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))))
+    return f"does not hold (max abs difference {err:.3g})"
+  return None
+
+
+def _check_classes(inference, dist_env, out: RelationCheck) -> None:
+  deg = inference.deg
+  members: dict[int, list[ir.Value]] = {}
+  for values in deg._values.values():
+    for v in values:
+      members.setdefault(deg.find(deg.class_of[v.id]), []).append(v)
+  for cls, values in members.items():
+    known = [v for v in values if v.id in dist_env]
+    if len(known) < 2:
+      continue
+    first = known[0]
+    for v in known[1:]:
+      for a, b in zip(dist_env[first.id], dist_env[v.id]):
+        if np.size(a) != np.size(b) or not _close(np.reshape(b, np.shape(a)), a):
+          out.failures.append(f"e-class {cls}: {_name(first)} and {_name(v)} differ")
+          break
+    out.classes_checked += 1
+
+
+def _name(v: ir.Value) -> str:
+  return f"%{v.producer.name}.{v.id}" if v.producer is not None else f"%{v.name or v.id}"
+
+
+def verify_and_check(seq: ir.Module, dist: ir.Module, seed: int = 0,
+                     input_layouts: Optional[list[Layout]] = None):
+  """(Result, RelationCheck) for two loaded modules."""
+  from graphguard_hlo.passes.inference import RelationInference
+  from graphguard_hlo.pipeline import prepare_dist, prepare_seq
+  prepare_seq(seq)
+  inference = RelationInference(seq, prepare_dist(dist), input_layouts)
+  result = inference.run()
+  return result, check_relations(inference, seed)
