@@ -21,7 +21,6 @@ import dataclasses
 from typing import Iterator
 
 from graphguard_hlo import ir
-from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.layout import Layout, tilings_with_local_shape
 
 
