@@ -56,6 +56,9 @@ class Config:
   # Layers stacked ([layers, ...] parameters named ``layers.<base>``) and run
   # under ``lax.scan`` (a while loop in the modules) instead of unrolled.
   scan_layers: bool = False
+  # llama3 only: > 0 replaces the SwiGLU MLP by a top-1 Mixture-of-Experts
+  # layer with this many SwiGLU experts (``moe_mlp``).
+  experts: int = 0
 
   def __post_init__(self):
     assert self.embedding in ("one_hot", "take"), self
@@ -100,6 +103,10 @@ def _all_heads(x, n_local):
   return x
 
 
+def _identity(x):
+  return x
+
+
 @dataclasses.dataclass(frozen=True)
 class Parallel:
   # (x, axis) -> x gathered along the sequence axis: before attention / MLP.
@@ -115,6 +122,10 @@ class Parallel:
   local_heads: Callable = _all_heads
   # per-token nll [b, s] -> scalar loss
   combine_loss: Callable = jnp.mean
+  # MoE: tokens [experts, b, s, d] held by token owners -> by expert owners,
+  # and the experts' outputs back (all-to-alls under expert parallelism).
+  to_experts: Callable = _identity
+  from_experts: Callable = _identity
 
 
 SEQUENTIAL = Parallel()
@@ -134,11 +145,15 @@ def _layer_params(model: str, cfg: Config) -> list[tuple[str, tuple]]:
             ("wv", (d, d)), ("bv", (d,)), ("wo", (d, d)), ("bo", (d,)),
             ("ln2_g", (d,)), ("ln2_b", (d,)),
             ("w_fc", (d, f)), ("b_fc", (f,)), ("w_proj", (f, d)), ("b_proj", (d,))]
-  return [("attn_norm", (d,)),
+  attn = [("attn_norm", (d,)),
           ("wq", (d, cfg.heads * hd)), ("wk", (d, cfg.kv_heads * hd)),
           ("wv", (d, cfg.kv_heads * hd)), ("wo", (cfg.heads * hd, d)),
-          ("mlp_norm", (d,)),
-          ("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d))]
+          ("mlp_norm", (d,))]
+  if cfg.experts:
+    e = cfg.experts
+    return attn + [("w_router", (d, e)), ("w_gate", (e, d, f)), ("w_up", (e, d, f)),
+                   ("w_down", (e, f, d))]
+  return attn + [("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d))]
 
 
 def param_specs(model: str, cfg: Config) -> list[tuple[str, tuple]]:
@@ -305,6 +320,8 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
     attn = _gqa_attention(a, w("wq"), w("wk"), w("wv"), cos, sin, cfg, par)
     h = h + par.reduce_attn(attn @ w("wo"))
     m = par.gather_seq(rmsnorm(h, w("mlp_norm")))
+    if cfg.experts:
+      return h + moe_mlp(m, w, par)
     mlp = (jax.nn.silu(m @ w("w_gate")) * (m @ w("w_up"))) @ w("w_down")
     return h + par.reduce_mlp(mlp)
 
@@ -312,6 +329,23 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
   h = rmsnorm(h, p["final_norm"])
   logits = h @ p["head"]                          # untied output head
   return par.combine_loss(cross_entropy(logits, labels))
+
+
+def moe_mlp(m, w, par: Parallel):
+  """Top-1 Mixture of SwiGLU experts, GShard-style with each batch row a
+  group and room for every token at every expert (nothing dropped): tokens
+  are dispatched to an [experts, b, s, d] tensor by a one-hot mask, each
+  expert runs on its slice, and each token takes its expert's output scaled
+  by the router's probability.  Under expert parallelism the dispatched
+  tensor is all-to-all'd from token owners to expert owners and back."""
+  logits = m @ w("w_router")                                     # [b, s, E]
+  gates = jax.nn.softmax(logits, axis=-1)
+  top1 = (logits == jnp.max(logits, axis=-1, keepdims=True)).astype(F32)
+  x = par.to_experts(jnp.einsum("bse,bsd->ebsd", top1, m))
+  hidden = jax.nn.silu(jnp.einsum("ebsd,edf->ebsf", x, w("w_gate"))) * jnp.einsum(
+      "ebsd,edf->ebsf", x, w("w_up"))
+  y = par.from_experts(jnp.einsum("ebsf,efd->ebsd", hidden, w("w_down")))
+  return jnp.einsum("ebsd,bse->bsd", y, gates * top1)
 
 
 LOSSES = {"gpt2": gpt2_loss, "llama3": llama3_loss}

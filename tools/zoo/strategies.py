@@ -138,6 +138,32 @@ def _no_reduce(axis):
   return _identity
 
 
+def _to_expert_owners(axis):
+  """[E, b_local, s, d] (all experts, my tokens) -> [E_local, b, s, d] (my
+  experts, everyone's tokens)."""
+  return lambda x: lax.all_to_all(x, axis, split_axis=0, concat_axis=1, tiled=True)
+
+
+def _to_token_owners(axis):
+  return lambda y: lax.all_to_all(y, axis, split_axis=1, concat_axis=0, tiled=True)
+
+
+def _to_next_rank_experts(axis):
+  """The bug: the expert blocks are rotated by one rank before the exchange,
+  so every rank's tokens reach the experts of the rank after their owner."""
+  def dispatch(x):
+    x = jnp.roll(x, -(x.shape[0] // lax.axis_size(axis)), axis=0)
+    return lax.all_to_all(x, axis, split_axis=0, concat_axis=1, tiled=True)
+  return dispatch
+
+
+def _ep_par(dispatch=_to_expert_owners):
+  """Expert parallel on "ep": tokens (batch rows) and experts both split over
+  it, attention replicated, expert tokens exchanged by all-to-alls."""
+  return Parallel(combine_loss=_pmean_of_mean("ep"), to_experts=dispatch("ep"),
+                  from_experts=_to_token_owners("ep"))
+
+
 # --------------------------------------------------------------------------
 # Shardings.
 # --------------------------------------------------------------------------
@@ -157,6 +183,13 @@ _TP_SPECS = {
 
 
 def _no_param_specs(model, name):
+  return P()
+
+
+def _ep_param_spec(model, name):
+  """Experts' weights split over "ep" by expert; everything else replicated."""
+  if base_name(name) in ("w_gate", "w_up", "w_down"):
+    return P("ep", None, None)
   return P()
 
 
@@ -189,6 +222,10 @@ _STRATEGIES = {s.name: s for s in [
     _Strategy("dp_tp", (2, 4), ("dp", "tp"), P("dp", None), _tp_param_spec,
               _dp_tp_par),
 ]}
+
+# Expert parallelism: llama3 only (its MLP is the MoE layer), 4 experts.
+EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
+               (("batch", 4), ("experts", 4)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,6 +472,14 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   for model in MODELS:
     for strategy in _STRATEGIES.values():
       built.append(_gspmd_case(model, strategy, cfg))
+  # Mixture of experts under expert parallelism, and the wrong-rank dispatch.
+  built.append(_shard_map_case("llama3", EP, cfg, "ok", EP.par()))
+  built.append(_gspmd_case("llama3", EP, cfg))
+  built.append(_shard_map_case("llama3", EP, cfg, "dispatch_to_wrong_rank",
+                               _ep_par(_to_next_rank_experts), "dispatch_to_wrong_rank",
+                               "dot_general"))
+  if grad:
+    built.append(_shard_map_grad_case("llama3", EP, cfg))
   # Layers stacked under lax.scan: proved by one inductive step of the loop.
   for model in MODELS:
     for strategy in _STRATEGIES.values():
