@@ -210,28 +210,61 @@ def reshape_groups(src: Sequence[int], dst: Sequence[int]
 
 
 def _reshape(op: SeqOp, ls: Sequence[Layout]):
-  """reshape(concat(a_r, k)) = concat(reshape(a_r), k') when only the major dim
-  of each merged/split group is tiled and its tile count divides the new major dim."""
+  """reshape(concat(a_r, k)) = concat(reshape(a_r), k'), group by group of dims
+  with equal products.  Inside a group the tiles must be contiguous blocks of
+  the flattened group (every dim before the first one a rank holds more than
+  one index of is split completely, every dim after it is whole); the group's
+  axes, major to minor, then tile the result dims major to minor the same way."""
   (a,) = ls
   src, dst = op.operand_types[0].shape, op.result_type.shape
   groups = reshape_groups(src, dst)
   if groups is None:
     return
-  dims: list[tuple[str, ...]] = [() for _ in dst]
   sizes = dict(op.mesh.axes)
+  dims: list[tuple[str, ...]] = [() for _ in dst]
   for gi, gj in groups:
-    split = [i for i in gi if a.dims[i]]
-    if not split:
-      continue
-    major_src = next((i for i in gi if src[i] != 1), gi[0])
-    major_dst = next((j for j in gj if dst[j] != 1), gj[0] if gj else None)
-    if split != [major_src] or major_dst is None:
+    axes = _contiguous_group_axes([src[i] for i in gi], [a.dims[i] for i in gi], sizes)
+    if axes is None:
       return
-    n = math.prod(sizes[x] for x in a.dims[major_src])
-    if dst[major_dst] % n:
+    out = _spread_axes(axes, [dst[j] for j in gj], sizes)
+    if out is None:
       return
-    dims[major_dst] = a.dims[major_src]
+    for j, assigned in zip(gj, out):
+      dims[j] = assigned
   yield {}, a.with_(dims=tuple(dims))
+
+
+def _contiguous_group_axes(shape: list[int], dims: list[tuple[str, ...]],
+                           sizes: dict[str, int]) -> Optional[tuple[str, ...]]:
+  """The axes tiling a group of dims as one flat dim (major to minor), if each
+  rank's tile is a contiguous block of it."""
+  axes: list[str] = []
+  partial_seen = False  # a dim where a rank holds more than one index
+  for n, d in zip(shape, dims):
+    if d and partial_seen:
+      return None
+    axes += d
+    if n // math.prod(sizes[x] for x in d) > 1:
+      partial_seen = True
+  return tuple(axes)
+
+
+def _spread_axes(axes: tuple[str, ...], shape: list[int], sizes: dict[str, int]
+                 ) -> Optional[list[tuple[str, ...]]]:
+  """Split flat-dim axes over ``shape`` (major to minor): each dim takes the
+  axes whose product is its whole size, until one takes the rest."""
+  out: list[tuple[str, ...]] = []
+  rest = list(axes)
+  for n in shape:
+    take, p = 0, 1
+    while take < len(rest) and n % (p * sizes[rest[take]]) == 0:
+      p *= sizes[rest[take]]
+      take += 1
+    if p != n and take < len(rest):
+      return None  # an axis would straddle two dims
+    out.append(tuple(rest[:take]))
+    rest = rest[take:]
+  return None if rest else out
 
 
 def _free_axis_choices(op: SeqOp, taken: set[str], free_dims: Sequence[int],

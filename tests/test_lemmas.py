@@ -363,9 +363,24 @@ def draw_reshape_target(draw, src) -> list[int]:
 
 @st.composite
 def reshape(draw, mesh, seed):
+  """Random reshapes; and tiles that span dims: some tiled dims split
+  completely (one index per rank, so merging them with the next dim keeps
+  tiles contiguous), or a dim split at one of its axes' boundaries."""
   a = draw_layout(draw, mesh, draw(st.integers(0, 3)))
-  x = random_values(np.random.default_rng(seed), draw_shape(draw, mesh, a))
+  shape = list(draw_shape(draw, mesh, a))
+  if draw(st.booleans()):
+    for i, axes in enumerate(a.dims):
+      if axes and draw(st.booleans()):
+        shape[i] = tiles(mesh, axes)
+  x = random_values(np.random.default_rng(seed), shape)
   out = draw_reshape_target(draw, x.shape)
+  tiled = [i for i, axes in enumerate(a.dims) if axes]
+  if tiled and draw(st.booleans()):
+    i = draw(st.sampled_from(tiled))
+    j = draw(st.integers(1, len(a.dims[i])))
+    # At an axis boundary, or anywhere (an axis may straddle the two dims).
+    major = draw(st.sampled_from([tiles(mesh, a.dims[i][:j]), *divisors(shape[i])]))
+    out = list(shape[:i]) + [major, shape[i] // major] + list(shape[i + 1:])
   return Case(seq_op("reshape", {}, [x], out, mesh), [a], [x], seed)
 
 
