@@ -153,24 +153,19 @@ def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:
 
 
 def _partition_id_strides(g: ir.Graph, n: int) -> set[int]:
-  """Device-id strides that partition-id arithmetic cuts at: GSPMD's offset
-  tables indexed by partition-id, and divisions/remainders of partition-id.
-  They refine the mesh so that e.g. ``partition_id // 2`` is one mesh axis."""
-  import numpy as np
-  from graphguard_hlo.passes.rank_arith import table_strides
+  """Device-id strides that partition-id arithmetic cuts at: every integer
+  computed from partition-id and constants alone (GSPMD's offset tables, also
+  nested, divisions and remainders), evaluated on each partition.  They refine
+  the mesh so that e.g. ``partition_id // 2`` is one mesh axis."""
+  from graphguard_hlo.passes.rank_arith import partition_id_table, table_strides
   strides: set[int] = set()
+  memo: dict = {}
   for op in g.walk():
-    if op.name == "dynamic_slice" and len(op.operands) == 2:
-      table = op.operands[0].producer
-      if table is not None and table.name == "constant" and table.results[0].shape == (n,) \
-          and isinstance(table.attrs.get("value"), np.ndarray) \
-          and table.attrs["value"].dtype.kind in "iu":
-        strides |= table_strides(np.asarray(table.attrs["value"]).reshape(-1))
-    elif op.name in ("divide", "remainder") and op.operands[1].producer is not None \
-        and op.operands[1].producer.name == "constant":
-      c = np.asarray(op.operands[1].producer.attrs["value"]).reshape(-1)
-      if c.size == 1 and c.dtype.kind in "iu" and 0 < int(c[0]) < n and n % int(c[0]) == 0:
-        strides.add(int(c[0]))
+    for r in op.results:
+      if r.type.dtype.startswith(("i", "ui")) and math.prod(r.shape) == 1:
+        table = partition_id_table(r, n, memo)
+        if table is not None:
+          strides |= {s for s in table_strides(table) if 1 < s < n and n % s == 0}
   return strides
 
 

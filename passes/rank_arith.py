@@ -48,8 +48,34 @@ class RankArithmetic:
       return self._memo[v.id]
     self._memo[v.id] = None  # cycles cannot happen in SSA, but be safe
     result = self._eval(v)
+    if result is None and math.prod(v.shape) == 1 and v.type.dtype.startswith(("i", "ui")):
+      result = self._fitted(v)
     self._memo[v.id] = result
     return result
+
+  def _fitted(self, v: ir.Value) -> Optional[sympy.Expr]:
+    """An integer that only depends on partition-id, evaluated for every
+    partition and read back as ``base + step * digits`` of the mesh (nested
+    offset tables: ``{0, 8}[{0, 0, 1, 1}[{0, 1, 2, 3, 0, 1, 2, 3}[pid]]]``)."""
+    try:
+      self.partition_id()  # the digits below assume iota device order
+    except NotImplementedError:
+      return None
+    table = partition_id_table(v, self.mesh.size)
+    form = None if table is None else table_form(table)
+    if form is None:
+      return None
+    base, step, block, period = form
+    digits = sympy.Integer(0)
+    stride = 1
+    for name, size in reversed(self.mesh.axes):
+      if block <= stride and (period is None or stride * size <= period):
+        digits += rank_symbol(name) * (stride // block)
+      elif size > 1 and (stride < block < stride * size or (
+          period is not None and stride < period < stride * size)):
+        return None  # the table cuts inside a mesh axis
+      stride *= size
+    return sympy.expand(base + step * digits)
 
   def _eval(self, v: ir.Value) -> Optional[sympy.Expr]:
     op = v.producer
@@ -182,6 +208,56 @@ class RankArithmetic:
     if digit is not None and block > 1:
       digit = self._floordiv(digit, sympy.Integer(block))
     return None if digit is None else sympy.expand(base + step * digit)
+
+
+_TABLE_OPS = ("constant", "partition_id", "reshape", "convert", "broadcast_in_dim", "copy",
+              "add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum",
+              "dynamic_slice")
+
+
+def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None) -> Optional[np.ndarray]:
+  """``v`` (an integer scalar) on each of the ``n`` partitions, if it is
+  computed from partition-id and constants only."""
+  memo = {} if _memo is None else _memo
+  if v.id in memo:
+    return memo[v.id]
+  memo[v.id] = None
+  op = v.producer
+  out = None
+  if op is not None and op.name in _TABLE_OPS and math.prod(v.shape) == 1:
+    if op.name == "partition_id":
+      out = np.arange(n, dtype=np.int64)
+    elif op.name == "constant":
+      arr = np.asarray(op.attrs["value"])
+      out = np.full(n, int(arr.reshape(-1)[0]), np.int64) if arr.dtype.kind in "iu" else None
+    elif op.name == "dynamic_slice":
+      table_v, *idx = op.operands
+      t = table_v.producer
+      if t is not None and t.name == "constant" and len(idx) == 1:
+        table = np.asarray(t.attrs["value"]).reshape(-1)
+        i = partition_id_table(idx[0], n, memo)
+        if i is not None and table.dtype.kind in "iu":
+          out = table[np.clip(i, 0, len(table) - 1)].astype(np.int64)
+    else:
+      args = [partition_id_table(a, n, memo) for a in op.operands]
+      if all(a is not None for a in args):
+        out = _apply(op.name, args)
+  memo[v.id] = out
+  return out
+
+
+def _apply(name: str, args: list[np.ndarray]) -> Optional[np.ndarray]:
+  if len(args) == 1:
+    return args[0]
+  a, b = args
+  if name in ("divide", "remainder") and np.any(b == 0):
+    return None
+  if name == "divide":
+    return np.trunc(a / b).astype(np.int64)
+  if name == "remainder":
+    return np.fmod(a, b)
+  return {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
+          "maximum": np.maximum, "minimum": np.minimum}[name](a, b)
 
 
 def table_form(table: np.ndarray) -> Optional[tuple[int, int, int, Optional[int]]]:

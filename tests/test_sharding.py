@@ -157,3 +157,41 @@ def test_table_of_halves_refines_the_mesh_and_reads_as_an_axis():
   mesh = shd.infer_mesh([], 4, extra_strides=strides)
   assert mesh.axes == (("a0", 2), ("a1", 2))
   assert RankArithmetic(mesh).value(half) == rank_symbol("a0")
+
+
+def _lookup(m, g, values, index):
+  table = m.add_op(g, "constant", [], [ir.TensorType((len(values),), "ui32")],
+                   {"value": np.array(values, np.uint32)}).result
+  return m.add_op(g, "dynamic_slice", [table, index], [ir.TensorType((1,), "ui32")],
+                  {"slice_sizes": (1,)}).result
+
+
+def test_nested_tables_refine_the_mesh_and_read_as_axes():
+  """XLA on a 2x4 mesh, a kv head per pair of the 4: {0,8}[{0,0,1,1}[{0,1,2,3,0,1,2,3}[pid]]]."""
+  from graphguard_hlo.passes.dist_program import _partition_id_strides
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("main")
+  pid = _op(m, g, "partition_id", [], "ui32")
+  offset = _lookup(m, g, [0, 8], _lookup(m, g, [0, 0, 1, 1], _lookup(m, g, [0, 1, 2, 3] * 2, pid)))
+  strides = _partition_id_strides(g, 8)
+  assert strides == {2, 4}
+  mesh = shd.infer_mesh([], 8, extra_strides=strides)
+  assert mesh.axes == (("a0", 2), ("a1", 2), ("a2", 2))
+  assert RankArithmetic(mesh).value(offset) == 8 * rank_symbol("a1")
+  # On the coarser 2x4 mesh the same offset cuts inside an axis: unknown, not guessed.
+  assert RankArithmetic(ir.Mesh((("a0", 2), ("a1", 4)))).value(offset) is None
+
+
+def test_partition_id_table_is_the_value_on_each_partition():
+  from graphguard_hlo.passes.rank_arith import partition_id_table
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("main")
+  pid = _op(m, g, "partition_id", [], "ui32")
+  four = _op(m, g, "constant", [], "ui32", value=np.array(4, np.uint32))
+  q = _op(m, g, "divide", [pid, four], "ui32")
+  r = _op(m, g, "remainder", [pid, four], "ui32")
+  both = _op(m, g, "add", [_op(m, g, "multiply", [r, four], "ui32"), q], "ui32")
+  np.testing.assert_array_equal(partition_id_table(both, 8), [0, 4, 8, 12, 1, 5, 9, 13])
+  # Anything read from a parameter is not a partition-id table.
+  x = m.new_value(ir.TensorType((), "ui32"), name="x")
+  assert partition_id_table(_op(m, g, "add", [pid, x], "ui32"), 8) is None

@@ -12,14 +12,10 @@ from tools.zoo import strategies
 CASES = strategies.model_cases()
 
 KNOWN_UNPROVED = {
-    "llama3/tp/gspmd/ok": "XLA splits each of the 2 kv heads over 2 of the 4 ranks; the "
-                          "half-head reshape has no lemma yet",
-    "llama3/sp/gspmd/ok": "same half-head kv split as llama3/tp/gspmd",
-    "llama3/dp_tp/gspmd/ok": "same half-head kv split, on a 2x4 mesh",
-    "llama3/tp_scan/gspmd/ok": "same half-head kv split, inside the scanned layer",
-    "gpt2/dp_tp_grad/gspmd/ok": "backward pass: the loss-mean divide is partitioned in a "
-                                "form the lemmas do not cover yet",
-    "llama3/dp_tp_grad/gspmd/ok": "backward pass: half-head kv split as above",
+    "gpt2/dp_tp_grad/gspmd/ok": "backward pass: XLA partitions the tied output head's "
+                                "transpose in a form the lemmas do not cover yet",
+    "llama3/dp_tp_grad/gspmd/ok": "backward pass: a gradient output is all-gathered from "
+                                  "a value with no relation yet",
 }
 
 
