@@ -165,7 +165,7 @@ def _load_pair(directory: str, pattern: str) -> tuple[ir.Module, ir.Module]:
   with open(txt) as f:
     text_mod = load_hlo_text(txt, f.read())
   with open(pb, "rb") as f:
-    proto_mod = hlo_proto.load_hlo_proto(pb, f.read())
+    proto_mod = hlo_proto.load_hlo_proto_via_converter(pb, f.read())
   return text_mod, proto_mod
 
 
@@ -639,7 +639,8 @@ def test_xla_computations(name):
   comp = to_hlo(_STABLEHLO[name], use_tuple_args=False, return_tuple=False)
   text = comp.as_hlo_text()
   text_mod = load_hlo_text(f"{name}.txt", text)
-  proto_mod = hlo_proto.load_hlo_proto(f"{name}.pb", comp.as_serialized_hlo_module_proto())
+  proto_mod = hlo_proto.load_hlo_proto_via_converter(
+      f"{name}.pb", comp.as_serialized_hlo_module_proto())
   assert_same_ir(text_mod, proto_mod)
 
 

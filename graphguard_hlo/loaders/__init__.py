@@ -2,8 +2,9 @@
 
 Formats, told apart by content first and extension second:
   * StableHLO MLIR text (``.mlir``) and bytecode (``.mlirbc``): parsed by jaxlib.mlir.
-  * HLO protos (``.pb``, HloProto or HloModuleProto): converted to StableHLO by
-    XLA's own ``hlo_to_stablehlo``, then parsed as above.
+  * HLO protos (``.pb``, HloProto or HloModuleProto): printed as HLO text by
+    XLA, then parsed as below (XLA's ``hlo_to_stablehlo`` drops the device order
+    of mesh replica groups).
   * XLA HLO text dumps (``.txt``, ``.hlo``): jaxlib exposes no HLO text parser,
     so ``hlo_text.py`` is ours.
 """

@@ -1,4 +1,4 @@
-"""HLO protos (``--xla_dump_hlo_as_proto``) through XLA's own HLO-to-StableHLO converter."""
+"""HLO protos (``--xla_dump_hlo_as_proto``): printed by XLA as HLO text, then read by ``hlo_text``."""
 
 from __future__ import annotations
 
@@ -41,12 +41,31 @@ def unwrap_hlo_proto(data: bytes) -> bytes:
 
 
 def load_hlo_proto(path: str, data: bytes) -> ir.Module:
+  """XLA prints the proto as HLO text, which ``hlo_text`` reads.
+
+  Not XLA's HLO-to-StableHLO converter: it drops the device order of
+  ``replica_groups=mesh[...] device_ids=([2,2,2]T(1,0,2))`` (a collective over
+  the middle mesh axis comes out over the major one), and a verifier must
+  read the groups the program really uses.
+  """
   from jax._src.lib import xla_client
+  from graphguard_hlo.loaders.hlo_text import load_hlo_text
   try:
-    module_proto = unwrap_hlo_proto(data)
-    bytecode = xla_client._xla.mlir.hlo_to_stablehlo(module_proto)
+    text = xla_client.XlaComputation(unwrap_hlo_proto(data)).as_hlo_text()
   except Exception as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise InputError(path, f"not a valid HLO proto: {first}") from None
-  module = load_stablehlo(path, bytecode, "hlo_proto")
+  module = load_hlo_text(path, text)
+  module.format = "hlo_proto"
   return module
+
+
+def load_hlo_proto_via_converter(path: str, data: bytes) -> ir.Module:
+  """XLA's own converter (for comparisons in tests; see ``load_hlo_proto``)."""
+  from jax._src.lib import xla_client
+  try:
+    bytecode = xla_client._xla.mlir.hlo_to_stablehlo(unwrap_hlo_proto(data))
+  except Exception as e:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise InputError(path, f"not a valid HLO proto: {first}") from None
+  return load_stablehlo(path, bytecode, "hlo_proto")
