@@ -11,6 +11,8 @@ before anything is compared:
   reshape(reshape(x))                     -> reshape(x)
   reshape of a unit-dims-only broadcast   -> x, when the shape is x's
   broadcast(broadcast(x, d1), d2)         -> broadcast(x, d2 . d1)
+  transpose(transpose(x, p1), p2)         -> transpose(x, p1 . p2), or x
+  transpose(all_reduce(transpose(x)))     -> all_reduce(transpose(x)) as above
   broadcast stretching unit dims          -> broadcast(reshape-squeeze(x))
   iota of rank > 1 along k                -> broadcast(iota along k only)
   x + 0                                   -> x
@@ -99,6 +101,43 @@ def _broadcast_of_broadcast(module, graph, op) -> Optional[ir.Value]:
   inner = p.attrs["broadcast_dimensions"]
   return _emit(module, graph, op, "broadcast_in_dim", [p.operands[0]],
                {"broadcast_dimensions": tuple(outer[d] for d in inner)})
+
+
+def _transpose_of_transpose(module, graph, op) -> Optional[ir.Value]:
+  """Autodiff transposes a transposed head back (the tied output embedding)."""
+  if op.name != "transpose":
+    return None
+  inner = op.operands[0].producer
+  if inner is None or inner.name != "transpose":
+    return None
+  outer_perm, inner_perm = op.attrs["permutation"], inner.attrs["permutation"]
+  perm = tuple(inner_perm[p] for p in outer_perm)
+  x = inner.operands[0]
+  if perm == tuple(range(len(perm))):
+    return x
+  return _emit(module, graph, op, "transpose", [x], {"permutation": perm})
+
+
+def _transpose_through_all_reduce(module, graph, op) -> Optional[ir.Value]:
+  """T2(all_reduce(T1(x))) -> all_reduce(T2.T1(x)): an all-reduce combines ranks
+  elementwise, so it commutes with a permutation of the elements; jax's
+  transposes around a psum then meet (and cancel) as they do sequentially."""
+  if op.name != "transpose":
+    return None
+  ar = op.operands[0].producer
+  if ar is None or ar.name != "all_reduce" or len(ar.operands) != 1:
+    return None
+  inner = ar.operands[0].producer
+  if inner is None or inner.name != "transpose":
+    return None
+  moved = ir.Op("transpose", [ar.operands[0]], dict(op.attrs), [], op.location)
+  moved.results = [module.new_value(op.results[0].type, moved, 0)]
+  x = _simplified_and_placed(module, graph, moved)
+  reduced = ir.Op("all_reduce", [x], dict(ar.attrs), list(ar.regions), ar.location)
+  reduced.results = [module.new_value(op.results[0].type, reduced, 0)]
+  graph.ops_to_place.append(reduced)  # type: ignore[attr-defined]
+  graph.known_ops.add(id(reduced))  # type: ignore[attr-defined]
+  return reduced.results[0]
 
 
 def _broadcast_expanding_units(module, graph, op) -> Optional[ir.Value]:
@@ -191,7 +230,9 @@ def _reduce_over_unit_dims(module, graph, op) -> Optional[ir.Value]:
 
 PATTERNS: tuple[Pattern, ...] = (
     _identity_shape_op, _reshape_inserting_units, _reshape_of_reshape,
-    _reshape_of_unit_broadcast, _broadcast_of_broadcast, _broadcast_expanding_units,
+    _reshape_of_unit_broadcast, _broadcast_of_broadcast, _transpose_of_transpose,
+    _transpose_through_all_reduce,
+    _broadcast_expanding_units,
     _iota_as_broadcast, _add_zero, _reduce_over_unit_dims)
 
 
