@@ -147,6 +147,7 @@ class RelationInference:
     self.arith = RankArithmetic(self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
     self.relations: dict[int, list[Relation]] = {}
+    self._transfer_memo: dict[tuple, list[Relation]] = {}
     self.splats: dict[int, float] = {}
     self.input_layouts = input_layouts or dist.param_layouts
     self.lookups = 0
@@ -163,10 +164,24 @@ class RelationInference:
       if len(known) >= MAX_RELATIONS_PER_VALUE:
         return
       known.append(r)
-      for op in self.users.get(r.cls, ()):
-        tile = r.layout.local_shape(s.shape, self.mesh)
-        for cls, layout, how in self.transfer.apply(op, r.cls, r.layout, tile):
-          work.append(Relation(cls, layout, how))
+      work.extend(self._transferred(r, r.layout.local_shape(s.shape, self.mesh)))
+
+  def _transferred(self, r: Relation, tile) -> list[Relation]:
+    """The relations the per-device program's data movement makes of ``r``.
+
+    They depend on the class, layout and tile only, so they are computed once:
+    identical layers hash-cons to shared classes (a RoPE table's broadcast in
+    every layer is one class with a user per layer), and without the memo
+    each layer would walk every layer's users again."""
+    key = (r.cls, r.layout, tile)
+    found = self._transfer_memo.get(key)
+    if found is None:
+      found = list(dict.fromkeys(
+          Relation(cls, layout, how)
+          for op in self.users.get(r.cls, ())
+          for cls, layout, how in self.transfer.apply(op, r.cls, r.layout, tile)))
+      self._transfer_memo[key] = found
+    return found
 
   def describe(self, s: ir.Value) -> list[str]:
     if s.id in self.splats:
