@@ -168,13 +168,24 @@ def _match_children(eg, subs, children, bindings) -> Iterator[dict]:
 def saturate(eg: EGraph, rules: Sequence[Rule], max_iterations: int = 8,
              max_nodes: int = 2_000_000) -> int:
   """Apply ``rules`` until nothing changes (or a bound is hit).  Returns iterations."""
+  # Rules indexed by the operator at their root: a node is only tried against
+  # the rules that could match it.
+  by_op: dict[str, list[Rule]] = {}
+  for rule in rules:
+    if isinstance(rule.lhs, str):
+      raise ValueError(f"rule {rule.name}: a bare variable matches everything")
+    by_op.setdefault(rule.lhs[0], []).append(rule)
   for iteration in range(1, max_iterations + 1):
     matches = []
     for c in eg.classes():
-      for rule in rules:
-        for bindings, node in ematch(eg, rule.lhs, c):
-          if rule.when(eg, bindings, node):
-            matches.append((rule, bindings, node, c))
+      for node in list(eg.nodes(c)):
+        for rule in by_op.get(node.op, ()):
+          subs = rule.lhs[1:]
+          if len(node.children) != len(subs):
+            continue
+          for bindings in _match_children(eg, subs, node.children, {}):
+            if rule.when(eg, bindings, node):
+              matches.append((rule, bindings, node, c))
     changed = False
     for rule, bindings, node, c in matches:
       if isinstance(rule.rhs, str):
