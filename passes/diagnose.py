@@ -72,17 +72,15 @@ def _operand_problems(inf, op: ir.Op) -> list[str]:
     rels = inf.relations.get(v.id, [])
     if not rels:
       continue
-    if all(r.layout.partial for r in rels):
+    collective = [w for r in rels for w in [_collective_words(inf, r.cls, r.layout)] if w]
+    if all(r.layout.partial for r in rels) and not collective:
       r = rels[0]
       problems.append(f"operand %{v.id} is only known as a partial {r.layout.partial_kind} over "
                       f"{_axes(r.layout.partial)} that is never reduced before this "
                       f"{op.name} (missing all-reduce)")
     elif all(not r.layout.is_clean() for r in rels):
       problems.append(f"operand %{v.id}: {_scale_words(rels[0].layout.scale, inf.mesh)}")
-    for r in rels:
-      words = _collective_words(inf, r.cls, r.layout)
-      if words:
-        problems.append(words)
+    problems.extend(collective)  # reduced, but wrongly: say how
   return problems
 
 

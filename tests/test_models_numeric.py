@@ -40,7 +40,8 @@ def test_names_and_metadata():
   assert {c.bug for c in BUGS} == {"rope_no_offset", "gqa_wrong_heads",
                                    "missing_allreduce", "loss_wrong_scale",
                                    "wrong_gather_dim", "double_counted_grad",
-                                   "grad_not_allreduced", "dispatch_to_wrong_rank"}
+                                   "grad_not_allreduced", "dispatch_to_wrong_rank",
+                                   "wrong_replica_groups"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "sp", "dp_tp"):
       for style in ("shard_map", "gspmd"):

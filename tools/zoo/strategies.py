@@ -266,6 +266,12 @@ def _bugs() -> list[_Bug]:
       # ``dp_loss/shard_map/psum_not_pmean`` in cases.py).
       _Bug("gpt2", "dp", "loss_wrong_scale", "output",
            lambda: _dp_par(combine=_psum_of_mean)),
+      # The attention output's psum runs over ("dp", "tp") instead of "tp":
+      # replica groups spanning the data-parallel ranks add other batch rows
+      # in.  The residual add reading it is the first op left without a value.
+      _Bug("llama3", "dp_tp", "wrong_replica_groups", "add",
+           lambda: _tp_par(reduce_attn=lambda _: _psum(("dp", "tp")),
+                           combine=_pmean_of_mean("dp"))),
       _Bug("llama3", "dp", "loss_wrong_scale", "output",
            lambda: _dp_par(combine=_psum_of_mean)),
   ]
