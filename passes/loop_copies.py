@@ -45,7 +45,7 @@ def _splat(loop: ir.Op, body: ir.Graph, v: ir.Value) -> Optional[float]:
   return None if j is None else terms.splat_value(loop.operands[j])
 
 
-def _counter(loop: ir.Op) -> Optional[tuple[int, int]]:
+def counter_of(loop: ir.Op) -> Optional[tuple[int, int]]:
   """(carry index, bound N) of a counter going 0, 1, ... while < N."""
   cond, body = loop.regions
   if len(cond.results) != 1 or cond.results[0].producer is None:
@@ -115,7 +115,7 @@ def forward_stacked_copies(graph: ir.Graph) -> int:
       forward_stacked_copies(region)
     if op.name != "while" or len(op.regions) != 2:
       continue
-    found = _counter(op)
+    found = counter_of(op)
     if found is None:
       continue
     counter, n = found

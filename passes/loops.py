@@ -162,6 +162,12 @@ def _invariant_splats(loop: ir.Op, splat_of) -> dict[int, float]:
     value = splat_of(loop.operands[j])
     if value is not None:
       out[j] = value
+  # A loop that runs once (0 while < 1): its counter is 0 inside, and XLA
+  # already substituted that (a scan over one layer).
+  from graphguard_hlo.passes.loop_copies import counter_of
+  counter = counter_of(loop)
+  if counter is not None and counter[1] == 1:
+    out[counter[0]] = 0.0
   return out
 
 

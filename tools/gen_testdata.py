@@ -2,6 +2,10 @@
 
     python -m tools.gen_testdata                    # the pairs committed in testdata/
     python -m tools.gen_testdata --out DIR CASE...  # any zoo case, e.g. tp_mlp/gspmd/ok
+    python -m tools.gen_testdata --out DIR llama3/sp_grad/shard_map/ok --layers 32 \
+        --d-model 4096 --heads 32 --kv-heads 8 --mlp-hidden 14336 --seq 2048 --vocab 128256
+                                                    # any (model, strategy, size, bug)
+    python -m tools.gen_testdata --list             # every case name
 
 Per case, in ``DIR/<case name with / as __>/``:
   seq.mlir              the sequential program, StableHLO with source locations
@@ -70,20 +74,35 @@ def dump_case(case, outdir: str) -> list[str]:
   return written
 
 
+# Model sizes: flag -> Config field (tools/zoo/models.py).
+SIZE_FLAGS = ("layers", "d_model", "heads", "kv_heads", "mlp_hidden", "seq", "batch",
+              "vocab", "experts")
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("cases", nargs="*", help="zoo case names (default: testdata's)")
+  p.add_argument("cases", nargs="*", help="case names (default: testdata's); see --list")
   p.add_argument("--out", default=os.path.join(REPO, "testdata"))
-  p.add_argument("--list", action="store_true", help="list the zoo's cases")
+  p.add_argument("--list", action="store_true", help="list every case name")
+  for field in SIZE_FLAGS:
+    p.add_argument(f"--{field.replace('_', '-')}", type=int, dest=field,
+                   help=f"model cases: Config.{field}")
   args = p.parse_args(argv)
   sys.path.insert(0, REPO)
-  from tools.zoo import cases
+  import dataclasses
+  from tools.zoo import cases, strategies
+  from tools.zoo.models import Config
+  sizes = {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
+  cfg = dataclasses.replace(Config(), **sizes)
   if args.list:
-    for c in cases.all_cases():
+    for c in list(cases.all_cases()) + strategies.model_cases(cfg):
       print(c.name)
     return 0
   for name in args.cases or TESTDATA_CASES:
-    case = cases.get(name)
+    try:
+      case = cases.get(name)
+    except KeyError:
+      case = strategies.get(name, cfg)
     for path in dump_case(case, os.path.join(args.out, name.replace("/", "__"))):
       print(os.path.relpath(path))
   return 0
