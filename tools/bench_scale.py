@@ -143,8 +143,9 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   rows = []
 
-  def run(label, cfg, dp=1, tp=8, grad=False, sp=False):
+  def run(label, cfg, dp=1, tp=8, grad=False, sp=False, sweep="models"):
     row = measure(label, cfg, dp, tp, args.repeat, grad, sp)
+    row["sweep"] = sweep
     rows.append(row)
     print(f"{row['label']:<34} {row['verdict']:<10} seq {row['seq_ops']:>6} dist "
           f"{row['dist_ops']:>6}  load {row['load_s']:>6.2f}s  verify {row['verify_s']:>6.2f}s"
@@ -162,9 +163,10 @@ def main(argv=None) -> int:
     cfg = _config(m, layers=4 if args.quick else None)
     run(f"llama3-{m} tp=8 x sp fwd+bwd, {cfg.layers} L", cfg, grad=True, sp=True)
   for layers in ([2, 4] if args.quick else [4, 8, 16, 32]):
-    run(f"llama3-8b tp=8, {layers} layers", _config("8b", layers=layers))
+    run(f"llama3-8b tp=8, {layers} layers", _config("8b", layers=layers), sweep="layers")
   for dp in ([1, 2] if args.quick else [1, 2, 4, 8]):
-    run(f"llama3-8b dp={dp} x tp=8, 8 layers", _config("8b", layers=8, batch=dp), dp=dp)
+    run(f"llama3-8b dp={dp} x tp=8, 8 layers", _config("8b", layers=8, batch=dp), dp=dp,
+        sweep="partitions")
   small = _config("8b", layers=2)
   small = dataclasses.replace(small, d_model=256, heads=8, kv_heads=8, mlp_hidden=512,
                               vocab=1024, seq=128)
@@ -173,8 +175,8 @@ def main(argv=None) -> int:
   rows.append(base)
   print(f"{base['label']:<34} run both programs and compare: {base['run_compare_s']:.2f}s")
 
-  lay = [r for r in rows if r["label"].startswith("llama3-8b tp=8,") and "verify_s" in r]
-  part = [r for r in rows if r["label"].startswith("llama3-8b dp=")]
+  lay = [r for r in rows if r.get("sweep") == "layers"]
+  part = [r for r in rows if r.get("sweep") == "partitions"]
   if len(lay) >= 2:
     per_layer = [r["verify_s"] / r["layers"] for r in lay]
     print("\nverify seconds per layer (8B shape): "
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
   if len(part) >= 2:
     ratio = part[-1]["verify_s"] / part[0]["verify_s"]
     print(f"verify time {part[-1]['partitions']} vs {part[0]['partitions']} partitions: "
-          f"{ratio:.2f}x")
+          f"{ratio:.2f}x; " + ", ".join(f"{r['partitions']}: {r['verify_s']:.2f}s" for r in part))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=2)
