@@ -148,6 +148,7 @@ class RelationInference:
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
     self.relations: dict[int, list[Relation]] = {}
     self._transfer_memo: dict[tuple, list[Relation]] = {}
+    self._step_memo: dict[tuple, list] = {}
     self.splats: dict[int, float] = {}
     self.input_layouts = input_layouts or dist.param_layouts
     self.lookups = 0
@@ -285,7 +286,7 @@ class RelationInference:
       layouts = [l for _, l in combo]
       for k, result in enumerate(op.results):
         rop = seq_op if k == 0 else dataclasses.replace(seq_op, result_type=result.type)
-        for step in apply_lemmas(rop, layouts):
+        for step in self._steps(rop, layouts):
           if not self._inits_are_identities(op, step):
             continue
           children = self._children(op, combo, step)
@@ -294,6 +295,19 @@ class RelationInference:
           cls = self._lookup_local(op, combo, step, children, k)
           if cls is not None:
             self.add_relation(result, Relation(cls, step.layout, step.lemma))
+
+  def _steps(self, op: SeqOp, layouts: list[Layout]) -> list:
+    """The lemmas' steps for an op signature and operand layouts, memoized.
+
+    A pure function of its key (lemmas never look at either program), so
+    every layer of a stack of identical layers derives its steps once; what
+    differs per layer, the per-device classes, is the hash-cons lookup after."""
+    key = (op.name, terms.attrs_key(op.attrs), op.operand_types, op.result_type,
+           tuple(layouts))
+    steps = self._step_memo.get(key)
+    if steps is None:
+      steps = self._step_memo[key] = list(apply_lemmas(op, layouts))
+    return steps
 
   def _lookup_local(self, op: ir.Op, combo, step, children, k: int) -> Optional[int]:
     """The e-class of the local op a lemma proposes, in the same normal form
