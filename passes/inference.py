@@ -28,7 +28,7 @@ from graphguard_hlo.errors import InputError
 from graphguard_hlo.gcutil import without_cyclic_gc
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.canonicalize import canonical_local_op
-from graphguard_hlo.passes.unit_dims import squeeze, squeezed_variants
+from graphguard_hlo.passes.unit_dims import only_unit_dims_change, squeezed_variants
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.dist_program import DistProgram
@@ -108,19 +108,6 @@ class Result:
     return {"verdict": self.verdict,
             "outputs": [{"index": o.index, "relation": o.relation} for o in self.outputs],
             "failure": None if self.failure is None else self.failure.to_json()}
-
-
-def _only_unit_dims_change(name: str, attrs: dict, operand_types, result_type) -> bool:
-  """A reshape, or a broadcast that stretches nothing and keeps dim order,
-  that only inserts or drops unit dims."""
-  if name not in ("reshape", "broadcast_in_dim") or \
-      squeeze(operand_types[0]).shape != squeeze(result_type).shape:
-    return False
-  if name == "broadcast_in_dim":
-    dims = list(attrs["broadcast_dimensions"])
-    return dims == sorted(dims) and math.prod(operand_types[0].shape) == math.prod(
-        result_type.shape)
-  return True
 
 
 def _value_name(v: Optional[ir.Value]) -> str:
@@ -329,7 +316,8 @@ class RelationInference:
       found = self._lookup_composed_broadcast(attrs, children[0], step.result_type)
       if found is not None:
         return found
-    if _only_unit_dims_change(name, attrs, operand_types, step.result_type):
+    if operand_types and only_unit_dims_change(name, attrs, operand_types[0],
+                                               step.result_type):
       # The operand itself is the tile, up to unit dims (unit_dims.py),
       # whether or not the device reshapes it.
       return children[0]

@@ -22,10 +22,7 @@ from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes import terms
-
-
-def _squeezed(t: ir.TensorType) -> tuple[int, ...]:
-  return tuple(d for d in t.shape if d != 1)
+from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 
 
 def _invariant(body: ir.Graph, v: ir.Value) -> Optional[int]:
@@ -70,16 +67,9 @@ def counter_of(loop: ir.Op) -> Optional[tuple[int, int]]:
 
 def _through_unit_dims(v: ir.Value) -> ir.Value:
   """Back through reshapes and increasing broadcasts that only change unit dims."""
-  while v.producer is not None and v.producer.name in ("reshape", "broadcast_in_dim"):
-    op = v.producer
-    src = op.operands[0]
-    if _squeezed(src.type) != _squeezed(v.type):
-      break
-    if op.name == "broadcast_in_dim":
-      dims = list(op.attrs["broadcast_dimensions"])
-      if dims != sorted(dims):
-        break
-    v = src
+  while v.producer is not None and only_unit_dims_change(
+      v.producer.name, v.producer.attrs, v.producer.operands[0].type, v.type):
+    v = v.producer.operands[0]
   return v
 
 

@@ -27,7 +27,7 @@ from graphguard_hlo import ir
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
-from graphguard_hlo.passes.unit_dims import squeeze
+from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 
 
 def _flip_if_negative(l: Layout, c: float) -> Layout:
@@ -141,16 +141,13 @@ class Transfer:
 
   # -- unit dims ---------------------------------------------------------------------
   def _reshape(self, op, cls, l: Layout):
-    """A reshape that only inserts or drops unit dims keeps every element in place:
-    the value still equals the tile up to unit dims (see unit_dims.py)."""
-    if squeeze(op.operands[0].type).shape == squeeze(op.results[0].type).shape:
+    """A reshape or broadcast that only inserts or drops unit dims keeps every
+    element in place: the value still equals the tile up to unit dims (see
+    unit_dims.py)."""
+    if only_unit_dims_change(op.name, op.attrs, op.operands[0].type, op.results[0].type):
       yield l
 
-  def _broadcast_in_dim(self, op, cls, l: Layout):
-    x, out = op.operands[0].type, op.results[0].type
-    dims = op.attrs["broadcast_dimensions"]
-    if squeeze(x).shape == squeeze(out).shape and list(dims) == sorted(dims):
-      yield l
+  _broadcast_in_dim = _reshape
 
   # -- rank-dependent slicing ------------------------------------------------------
   def _dynamic_slice(self, op, cls, l: Layout):

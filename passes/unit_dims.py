@@ -27,6 +27,17 @@ def squeeze(t: ir.TensorType) -> ir.TensorType:
   return ir.TensorType(tuple(d for d in t.shape if d != 1), t.dtype)
 
 
+def only_unit_dims_change(name: str, attrs: dict, operand_type: ir.TensorType,
+                          result_type: ir.TensorType) -> bool:
+  """A reshape, or a broadcast that stretches nothing and keeps dim order, that
+  only inserts or drops unit dims: every element stays in place."""
+  if name not in ("reshape", "broadcast_in_dim") or \
+      squeeze(operand_type).shape != squeeze(result_type).shape:
+    return False
+  dims = list(attrs.get("broadcast_dimensions", ()))
+  return name == "reshape" or dims == sorted(dims)
+
+
 def _remap(t: ir.TensorType, c: ir.TensorType) -> dict[int, int]:
   """t's non-unit dims to the same (k-th non-unit) dims of c."""
   tn = [i for i, d in enumerate(t.shape) if d != 1]
