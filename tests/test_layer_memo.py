@@ -3,7 +3,6 @@ and the transfer closure are memoized on keys that do not grow with depth."""
 
 import pytest
 
-from graphguard_hlo.lowering import lower_distributed, lower_sequential
 from graphguard_hlo.passes.inference import RelationInference
 from graphguard_hlo.pipeline import prepare_dist, prepare_seq
 from tools.zoo import strategies
@@ -12,9 +11,8 @@ from tools.zoo.models import Config
 
 def _inference(layers: int, name: str):
   case = strategies.get(name, Config(layers=layers))
-  seq = prepare_seq(lower_sequential(case.seq_fn, *case.seq_args))
-  inference = RelationInference(seq, prepare_dist(lower_distributed(case.dist_fn,
-                                                                    *case.dist_args)))
+  seq, dist = case.modules()
+  inference = RelationInference(prepare_seq(seq), prepare_dist(dist))
   assert inference.run().refines
   return inference
 

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from graphguard_hlo.interpret import Interpreter
-from graphguard_hlo.lowering import lower_distributed, lower_sequential
 from graphguard_hlo.passes.inference import Relation, RelationInference
 from graphguard_hlo.pipeline import prepare_dist, prepare_seq
 from graphguard_hlo.relation_check import check_relations, verify_and_check
@@ -16,15 +15,9 @@ from tools.zoo import cases, strategies
 ALL = list(cases.all_cases()) + strategies.model_cases()
 
 
-def _modules(case):
-  return (lower_sequential(case.seq_fn, *case.seq_args),
-          lower_distributed(case.dist_fn, *case.dist_args, in_shardings=case.in_shardings,
-                            out_shardings=case.out_shardings))
-
-
 @pytest.mark.parametrize("case", ALL, ids=lambda c: c.name)
 def test_every_inferred_relation_holds_numerically(case):
-  result, check = verify_and_check(*_modules(case))
+  result, check = verify_and_check(*case.modules())
   assert check.ok, check.failures[:5]
   assert check.checked > 0 and check.unknown == 0, check
   if result.refines:  # the outputs' relations are among those checked
@@ -32,7 +25,7 @@ def test_every_inferred_relation_holds_numerically(case):
 
 
 def _inference(name):
-  seq, dist = _modules(cases.get(name))
+  seq, dist = cases.get(name).modules()
   inference = RelationInference(prepare_seq(seq), prepare_dist(dist))
   assert inference.run().refines
   return inference
@@ -61,7 +54,7 @@ def test_checker_catches_a_wrong_relation(pick, change):
 
 def test_interpreter_agrees_with_jax():
   case = strategies.get("llama3/tp/shard_map/ok")
-  seq, dist = _modules(case)
+  seq, dist = case.modules()
   prepare_seq(seq)
   program = prepare_dist(dist)
   inputs = strategies.model_inputs(case)

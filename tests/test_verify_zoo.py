@@ -3,7 +3,6 @@ reported at its op.  Both directions, so neither verdict can be hard-wired."""
 
 import pytest
 
-from graphguard_hlo.lowering import lower_distributed, lower_sequential
 from graphguard_hlo.pipeline import verify_modules
 from tools.zoo import cases
 
@@ -16,10 +15,7 @@ KNOWN_UNPROVED: dict[str, str] = {}
 
 
 def _verify(case):
-  seq = lower_sequential(case.seq_fn, *case.seq_args)
-  dist = lower_distributed(case.dist_fn, *case.dist_args, in_shardings=case.in_shardings,
-                           out_shardings=case.out_shardings)
-  return verify_modules(seq, dist)
+  return verify_modules(*case.modules())
 
 
 @pytest.mark.parametrize("case", cases.correct_cases(), ids=lambda c: c.name)

@@ -60,6 +60,13 @@ class Case:
   def program(self) -> str:
     return self.name.split("/")[0]
 
+  def modules(self):
+    """(sequential, distributed) modules as the verifier reads them."""
+    from graphguard_hlo.lowering import lower_distributed, lower_sequential
+    return (lower_sequential(self.seq_fn, *self.seq_args),
+            lower_distributed(self.dist_fn, *self.dist_args, in_shardings=self.in_shardings,
+                              out_shardings=self.out_shardings))
+
   def check_well_formed(self) -> None:
     """The invariants every zoo case keeps (AssertionError naming the case)."""
     assert self.style in ("shard_map", "gspmd"), self.name
