@@ -11,7 +11,6 @@ computed from them, unknown.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -160,7 +159,3 @@ def mesh_coords(mesh: ir.Mesh) -> list[tuple[int, ...]]:
   if mesh.device_ids is not None and tuple(mesh.device_ids) != tuple(range(mesh.size)):
     raise Unsupported("non-iota device order")
   return list(np.ndindex(*[n for _, n in mesh.axes])) or [()]
-
-
-def size_of(t: ir.TensorType) -> int:
-  return math.prod(t.shape)

@@ -80,12 +80,13 @@ def check_relations(inference, seed: int = 0) -> RelationCheck:
 
   seq_values = {p.id: p for p in seq_graph.params}
   seq_values.update({r.id: r for op in seq_graph.ops for r in op.results})
+  members = inference.deg.members()
   for sid, rels in inference.relations.items():
     s = seq_values.get(sid)
     if s is None:
       continue  # a loop body's value: checked by its loop's relations
     for r in rels:
-      d = inference.deg.value(r.cls)
+      d = members.get(inference.deg.find(r.cls), [None])[0]
       if sid not in seq_env or d is None or d.id not in dist_env:
         out.unknown += 1
         continue
@@ -93,7 +94,7 @@ def check_relations(inference, seed: int = 0) -> RelationCheck:
       out.checked += 1
       if problem:
         out.failures.append(f"{_name(s)} ~ {r.layout.describe(_name(d))} [{r.how}]: {problem}")
-  _check_classes(inference, dist_env, out)
+  _check_classes(members, dist_env, out)
   return out
 
 
@@ -118,12 +119,7 @@ def _relation_problem(s: ir.Value, want: np.ndarray, layout: Layout, per_rank: l
   return None
 
 
-def _check_classes(inference, dist_env, out: RelationCheck) -> None:
-  deg = inference.deg
-  members: dict[int, list[ir.Value]] = {}
-  for values in deg._values.values():
-    for v in values:
-      members.setdefault(deg.find(deg.class_of[v.id]), []).append(v)
+def _check_classes(members, dist_env, out: RelationCheck) -> None:
   for cls, values in members.items():
     known = [v for v in values if v.id in dist_env]
     if len(known) < 2:

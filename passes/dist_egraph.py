@@ -160,16 +160,19 @@ class DistEGraph:
   def lookup_splat(self, value: float, type: ir.TensorType) -> Optional[ClassId]:
     return self.eg.lookup(ENode(terms.splat_head(value, type)))
 
+  def members(self) -> dict[ClassId, list[ir.Value]]:
+    """The per-device program's values grouped by e-class, lowest id first."""
+    out: dict[ClassId, list[ir.Value]] = {}
+    for cls, vals in self._values.items():
+      out.setdefault(self.eg.find(cls), []).extend(vals)
+    for vals in out.values():
+      vals.sort(key=lambda v: v.id)
+    return out
+
   def value(self, c: ClassId) -> Optional[ir.Value]:
     """A value of the per-device program in class ``c`` (for reports)."""
-    c = self.eg.find(c)
-    best = None
-    for cls, vals in self._values.items():
-      if self.eg.find(cls) == c:
-        for v in vals:
-          if best is None or v.id < best.id:
-            best = v
-    return best
+    vals = self.members().get(self.eg.find(c))
+    return vals[0] if vals else None
 
   def users(self, c: ClassId):
     return self.eg.users(c)
