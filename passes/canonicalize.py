@@ -16,6 +16,8 @@ before anything is compared:
   broadcast stretching unit dims          -> broadcast(reshape-squeeze(x))
   iota of rank > 1 along k                -> broadcast(iota along k only)
   x + 0                                   -> x
+  broadcast(x) + broadcast(scalar), ints  -> broadcast(x + broadcast(scalar))
+  select(p, true, false)                  -> p
   reduce over size-1 dims (identity init) -> reshape
 
 Each is an identity of the ops' semantics (tested in tests/test_canonicalize.py).
@@ -202,6 +204,45 @@ def _add_zero(module, graph, op) -> Optional[ir.Value]:
   return None
 
 
+def _offset_before_broadcast(module, graph, op) -> Optional[ir.Value]:
+  """broadcast(x, d) + broadcast(c) -> broadcast(x + broadcast(c), d), c a scalar.
+
+  A device's token positions are ``iota + r * n``; jax adds the offset after
+  broadcasting the iota to the mask's shape, the sequential program has no
+  offset at all.  Adding it first leaves the positions as one value, the tile
+  of the sequential iota (``Transfer.offset_iotas``).  Integer index
+  arithmetic only: floats keep the order they were written in."""
+  if op.name != "add" or len(op.operands) != 2 or op.results[0].type.dtype[0] not in "iu":
+    return None
+  for b, c in (op.operands, op.operands[::-1]):
+    bp, cp = b.producer, c.producer
+    if bp is None or cp is None or bp.name != "broadcast_in_dim" or \
+        cp.name != "broadcast_in_dim" or cp.operands[0].type.rank != 0 or \
+        bp.operands[0].type.rank == 0:
+      continue
+    x = bp.operands[0]
+    spread = ir.Op("broadcast_in_dim", [cp.operands[0]], {"broadcast_dimensions": ()}, [],
+                   op.location)
+    spread.results = [module.new_value(x.type, spread, 0)]
+    offset = _simplified_and_placed(module, graph, spread)
+    added = ir.Op("add", [x, offset], {}, [], op.location)
+    added.results = [module.new_value(x.type, added, 0)]
+    moved = _simplified_and_placed(module, graph, added)
+    return _emit(module, graph, op, "broadcast_in_dim", [moved], dict(bp.attrs))
+  return None
+
+
+def _select_of_true_false(module, graph, op) -> Optional[ir.Value]:
+  """select(p, true, false) -> p: ``jnp.tril(ones)`` is the mask itself."""
+  if op.name != "select" or op.results[0].type.dtype not in ("i1", "pred"):
+    return None
+  from graphguard_hlo.passes.terms import splat_value
+  p, t, f = op.operands
+  if p.type == op.results[0].type and splat_value(t) == 1.0 and splat_value(f) == 0.0:
+    return p
+  return None
+
+
 _IDENTITY = {"sum": 0.0, "max": -float("inf"), "min": float("inf"), "mul": 1.0}
 
 
@@ -233,7 +274,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _reshape_of_unit_broadcast, _broadcast_of_broadcast, _transpose_of_transpose,
     _transpose_through_all_reduce,
     _broadcast_expanding_units,
-    _iota_as_broadcast, _add_zero, _reduce_over_unit_dims)
+    _iota_as_broadcast, _add_zero, _offset_before_broadcast, _select_of_true_false,
+    _reduce_over_unit_dims)
 
 
 def _emit(module, graph, op, name, operands, attrs) -> ir.Value:

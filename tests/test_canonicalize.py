@@ -199,3 +199,41 @@ def test_sum_over_unit_dims_with_another_init_is_kept():
                  [_sum_region(m)])
   g.results = [red.result]
   assert canonicalize_graph(m, g) == 0
+
+
+def test_rank_offset_is_added_before_the_broadcast():
+  """A device's mask rows: broadcast(iota) + broadcast(r * n) -> broadcast(iota + r * n)."""
+  m, g = _graph([_t(dtype="i32")])
+  line = _op(m, g, "iota", [], _t(4, dtype="i32"), iota_dimension=0)
+  rows = _op(m, g, "broadcast_in_dim", [line], _t(4, 16, dtype="i32"), broadcast_dimensions=(0,))
+  offset = _op(m, g, "broadcast_in_dim", [g.params[0]], _t(4, 16, dtype="i32"),
+               broadcast_dimensions=())
+  g.results = [_op(m, g, "add", [rows, offset], _t(4, 16, dtype="i32"))]
+  _check(m, g, [np.array(8, np.int32)], ["iota", "broadcast_in_dim", "add", "broadcast_in_dim"])
+  added = g.ops[2]
+  assert added.results[0].shape == (4,) and added.operands[0] is line
+
+
+def test_float_offsets_keep_their_order():
+  m, g = _graph([_t()])
+  line = _op(m, g, "iota", [], _t(4), iota_dimension=0)
+  rows = _op(m, g, "broadcast_in_dim", [line], _t(4, 16), broadcast_dimensions=(0,))
+  offset = _op(m, g, "broadcast_in_dim", [g.params[0]], _t(4, 16), broadcast_dimensions=())
+  g.results = [_op(m, g, "add", [rows, offset], _t(4, 16))]
+  assert canonicalize_graph(m, g) == 0
+
+
+@pytest.mark.parametrize("t,f,folds", [(True, False, True), (False, True, False)])
+def test_select_of_true_and_false_is_the_predicate(t, f, folds):
+  """jnp.tril(ones(bool)) is select(mask, true, false): the mask itself."""
+  m, g = _graph([_t(3, 3), _t(3, 3)])
+  p = _op(m, g, "compare", g.params, _t(3, 3, dtype="pred"), comparison_direction="GE")
+  consts = [_op(m, g, "broadcast_in_dim",
+                [_op(m, g, "constant", [], _t(dtype="pred"), value=np.array(v))],
+                _t(3, 3, dtype="pred"), broadcast_dimensions=()) for v in (t, f)]
+  g.results = [_op(m, g, "select", [p, *consts], _t(3, 3, dtype="pred"))]
+  x = np.arange(9.0).reshape(3, 3)
+  before = _run(g, [x, x.T])
+  canonicalize_graph(m, g)
+  assert (g.results[0] is p) == folds
+  np.testing.assert_array_equal(_run(g, [x, x.T])[0], before[0])
