@@ -55,6 +55,10 @@ def _collective_words(inf, cls: int, layout: Layout) -> Optional[str]:
     if op.name == "all_gather":
       k = op.attrs.get("all_gather_dimension")
       split = [d for d, a in enumerate(layout.dims) if set(axes) & set(a)]
+      have = layout.dims[k] if k is not None and k < layout.rank else ()
+      if have and have[len(have) - len(axes):] != tuple(axes):
+        return (f"{name} at {loc} gathers over {_axes(axes)} along dim {k}, but dim {k} "
+                f"is split over {_axes(have)} (gathered over the wrong mesh axis)")
       if split and k not in split:
         return (f"{name} at {loc} concatenates shards along dim {k}, but the value is "
                 f"split over {_axes(axes)} along dim {split[0]} (shard concatenated on the "
@@ -108,10 +112,60 @@ def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
+def _pin_words(inf, op: ir.Op) -> Optional[str]:
+  """Operands that are the sequential values only at ranks that never meet:
+  one pipeline stage holds one, another stage the other."""
+  seen: dict[str, list[tuple[ir.Value, set[int]]]] = {}
+  for v in op.operands:
+    rels = inf.relations.get(v.id, [])
+    for axis in {a for r in rels for a, _ in r.layout.at}:
+      coords = {dict(r.layout.at).get(axis) for r in rels}
+      if None not in coords:  # every relation of v pins this axis
+        seen.setdefault(axis, []).append((v, coords))
+  for axis, found in seen.items():
+    for (v1, c1), (v2, c2) in zip(found, found[1:]):
+      if c1 & c2:
+        continue
+      permute = next((d for d in inf.dist.graph.walk() if d.name == "collective_permute"
+                      and d.attrs.get("gg.axes") == (axis,)), None)
+      hint = "" if permute is None else (
+          f"; collective-permute at {permute.location} sends "
+          f"{list(permute.attrs.get('gg.permutation') or ())} over {axis!r} "
+          f"(activations passed to the wrong stage?)")
+      where = lambda cs: ", ".join(f"{axis}={c}" for c in sorted(cs))
+      return (f"operand %{v1.id} is the sequential value only at {where(c1)} and "
+              f"%{v2.id} only at {where(c2)}: no rank holds both{hint}")
+  return None
+
+
+def _iota_words(inf, op: ir.Op) -> Optional[str]:
+  """A sequential iota (positions, a mask's rows) whose per-device tiles are
+  missing: if the devices run iotas of a tile's length, they count from 0."""
+  iotas = [op] if op.name == "iota" else [v.producer for v in op.operands
+                                          if v.producer is not None and v.producer.name == "iota"]
+  for seq_iota in iotas:
+    t = seq_iota.results[0].type
+    n_seq = t.shape[seq_iota.attrs["iota_dimension"]]
+    offset = {id(v.producer) for add in inf.transfer.iota_adds for v in add.operands}
+    for d_op in inf.dist.graph.walk():
+      if d_op.name != "iota" or id(d_op) in offset or d_op.results[0].type.dtype != t.dtype:
+        continue
+      n = d_op.results[0].type.shape[d_op.attrs["iota_dimension"]]
+      if n < n_seq and n_seq % n == 0:
+        return (f"the sequential iota at {seq_iota.location} counts 0..{n_seq - 1}; the "
+                f"per-device program counts 0..{n - 1} (iota at {d_op.location}) with no "
+                f"rank offset, so every rank uses the first shard's positions (positions "
+                f"or mask not offset per shard?)")
+  return None
+
+
 def diagnose_op(inf, op: ir.Op):
   from graphguard_hlo.passes.inference import Failure
   inputs = [(f"%{v.id}: {v.type}", inf.describe(v)) for v in op.operands]
   problems = _operand_problems(inf, op)
+  for words in (_pin_words(inf, op), _iota_words(inf, op)):
+    if words:
+      problems.append(words)
   counterpart = _counterpart_words(inf, op)
   if counterpart and not any(counterpart in p for p in problems):
     problems.append(counterpart)

@@ -270,10 +270,20 @@ class RelationInference:
       for cls, layout in self.transfer.offset_iotas(op.results[0].type, op.attrs):
         self.add_relation(op.results[0], Relation(cls, layout, "iota-plus-rank-offset"))
     for combo in self._operand_combinations(op):
-      layouts = [l for _, l in combo]
+      pins = merged_pins([l for _, l in combo])
+      if pins is None:
+        continue  # operands known at different ranks: nothing in common
+      layouts = [l.with_(at=()) if l.at else l for _, l in combo]
       for k, result in enumerate(op.results):
         rop = seq_op if k == 0 else dataclasses.replace(seq_op, result_type=result.type)
         for step in self._steps(rop, layouts):
+          if pins:
+            # A local op computes the same at every rank: what its operands
+            # are at the pinned ranks, its result is there (layout.py).
+            both = merged_pins([step.layout, Layout((), at=pins)])
+            if both is None or not step.layout.with_(at=both).is_valid():
+              continue
+            step = dataclasses.replace(step, layout=step.layout.with_(at=both))
           if not self._inits_are_identities(op, step):
             continue
           children = self._children(op, combo, step)
@@ -454,13 +464,25 @@ class RelationInference:
           outputs.append(OutputRelation(i, f"constant {self.splats[s.id]:g}", declared))
           continue
       ok = [r for r in self.relations.get(s.id, []) if r.cls == target and r.layout.is_clean()
-            and not r.layout.partial and (declared is None or r.layout == declared)]
+            and not r.layout.partial and not r.layout.at
+            and (declared is None or r.layout == declared)]
       if not ok:
         from graphguard_hlo.passes.diagnose import diagnose_output
         failure = diagnose_output(self, i, s, d, declared)
         return Result("not_proved", outputs, failure, self._stats(processed))
       outputs.append(OutputRelation(i, ok[0].layout.describe(f"out{i}"), ok[0].layout))
     return Result("refines", outputs, None, self._stats(processed))
+
+
+def merged_pins(layouts) -> Optional[tuple[tuple[str, int], ...]]:
+  """The ranks every operand's relation speaks of, as pins; None if they
+  pin one axis to two coordinates (no rank holds both)."""
+  pins: dict[str, int] = {}
+  for l in layouts:
+    for a, c in l.at:
+      if pins.setdefault(a, c) != c:
+        return None
+  return tuple(sorted(pins.items()))
 
 
 def _live_ops(g: ir.Graph) -> set[int]:

@@ -15,6 +15,14 @@ them.  That stronger reading is what ``shard`` builds and what every rule
 keeps; an all-reduce max over a replicated axis of a partial sum relies on it.  The clean expression this stands for is concat-over-ranks (``dims``),
 sum-over-ranks (``partial``) and pick-one-replica (the rest); ``scale`` other
 than 1 is never clean, it is kept only to say *how* an output is wrong.
+
+``at`` pins mesh coordinates, ``(("pp", 2),)``: the relation holds only at the
+ranks with those coordinates and says nothing of the others (a pipeline
+stage's activations are the sequential ones on that stage's ranks only).  An
+axis in ``at`` is in neither ``dims`` nor ``partial``.  A local op of pinned
+operands is pinned alike; a collective-permute moves the pin; a select on
+``r_pp == 2`` against zeros makes it a partial sum over "pp" (the value at
+stage 2, zeros elsewhere, summed by the all-reduce that follows).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ class Layout:
   partial: Axes = ()          # sorted axes summed over
   partial_kind: str = "sum"   # "sum" | "max" | "min": how partial axes combine
   scale: float = 1.0
+  at: tuple[tuple[str, int], ...] = ()  # sorted (axis, coordinate) pins
 
   @staticmethod
   def replicated(rank: int) -> "Layout":
@@ -49,6 +58,7 @@ class Layout:
 
   def __post_init__(self):
     object.__setattr__(self, "partial", tuple(sorted(self.partial)))
+    object.__setattr__(self, "at", tuple(sorted(self.at)))
     if not self.partial:
       object.__setattr__(self, "partial_kind", "sum")
 
@@ -63,15 +73,22 @@ class Layout:
   def used_axes(self) -> set[str]:
     return self.split_axes() | set(self.partial)
 
+  def pinned_axes(self) -> set[str]:
+    return {a for a, _ in self.at}
+
+  def holds_at(self, coord: dict[str, int]) -> bool:
+    """Does the relation speak of the rank at these mesh coordinates?"""
+    return all(coord[a] == c for a, c in self.at)
+
   def is_valid(self) -> bool:
-    axes = [a for d in self.dims for a in d] + list(self.partial)
+    axes = [a for d in self.dims for a in d] + list(self.partial) + [a for a, _ in self.at]
     return len(axes) == len(set(axes))
 
   def is_clean(self) -> bool:
     return scales_equal(self.scale, 1.0)
 
   def is_full_replica(self) -> bool:
-    return not self.split_axes() and not self.partial
+    return not self.split_axes() and not self.partial and not self.at
 
   def local_shape(self, global_shape: Iterable[int], mesh: Mesh) -> Optional[tuple[int, ...]]:
     out = []
@@ -99,6 +116,8 @@ class Layout:
       expr = f"concat[{' '.join(split)}]({expr})"
     if not split and not self.partial:
       expr = f"replica({expr})"
+    if self.at:
+      expr = f"at[{','.join(f'{a}={c}' for a, c in self.at)}]({expr})"
     if not self.is_clean():
       expr = f"{self.scale:g} * {expr}"
     return expr
@@ -146,6 +165,8 @@ def assemble(layout: Layout, mesh: Mesh, local_at: dict[tuple[int, ...], np.ndar
   tiles: dict[tuple[int, ...], np.ndarray] = {}
   for coord in np.ndindex(*[s for _, s in mesh.axes]):
     r = dict(zip(names, coord))
+    if not layout.holds_at(r):
+      continue  # the relation says nothing of this rank
     total = None
     for pcoord in np.ndindex(*[sizes[a] for a in layout.partial]):
       rr = dict(r, **dict(zip(layout.partial, pcoord)))
@@ -199,6 +220,9 @@ def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generato
         idx = idx * sizes[a] + r[a]
       index.append(slice(idx * size, (idx + 1) * size))
     tile = np.asarray(value, dtype=np.float64)[tuple(index)] / layout.scale
+    if not layout.holds_at(r):
+      out[coord] = rng.standard_normal(tile.shape)  # unrelated: anything
+      continue
     key = tuple((s.start, s.stop) for s in index)
     if key not in pieces:
       if layout.partial and layout.partial_kind == "sum":

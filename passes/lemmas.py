@@ -368,6 +368,38 @@ def _slice(op: SeqOp, ls: Sequence[Layout]):
          "strides": tuple(strides)}, a
 
 
+def _slice_one_tile(op: SeqOp, ls: Sequence[Layout]):
+  """slice(concat(a_r, k), [s, e)) = slice(a_t, [s - t*n, e - t*n)) at the ranks
+  holding tile t, when [s, e) lies inside tile t of dim k: a layer's weights
+  out of a stack split over pipeline stages are stage t's (pinned there)."""
+  (a,) = ls
+  shape = op.operand_types[0].shape
+  start, limit, strides = (list(op.attrs[k]) for k in ("start_indices", "limit_indices", "strides"))
+  local = a.local_shape(shape, op.mesh)
+  if local is None:
+    return
+  dims, pins = list(a.dims), dict(a.at)
+  for d, axes in enumerate(a.dims):
+    if not axes:
+      continue
+    if (start[d], limit[d], strides[d]) == (0, shape[d], 1):
+      limit[d] = local[d]
+      continue
+    n = local[d]
+    t = start[d] // n
+    if strides[d] != 1 or limit[d] <= start[d] or (limit[d] - 1) // n != t:
+      return
+    start[d], limit[d] = start[d] - t * n, limit[d] - t * n
+    for axis in reversed(axes):  # t's mixed-radix digits, minor axis last
+      pins[axis] = t % op.mesh.axis_size(axis)
+      t //= op.mesh.axis_size(axis)
+    dims[d] = ()
+  if len(pins) == len(a.at):
+    return  # every tiled dim taken whole: slice-untiled-dims
+  yield ({"start_indices": tuple(start), "limit_indices": tuple(limit),
+          "strides": tuple(strides)}, a.with_(dims=tuple(dims), at=tuple(pins.items())))
+
+
 def _concatenate(op: SeqOp, ls: Sequence[Layout]):
   """concat(concat(a_r, j), concat(b_r, j), k) = concat(concat(a_r, b_r, k), j), j != k."""
   k = op.attrs["dimension"]
@@ -468,6 +500,9 @@ LEMMAS: tuple[Lemma, ...] = (
           "reduce_+(concat(a_r,k), k) = sum_r reduce_+(a_r, k); max/min alike", _reduce),
     Lemma("slice-untiled-dims", frozenset({"slice"}),
           "slice(concat(a_r,k)) = concat(slice(a_r),k) if dim k is whole", _slice),
+    Lemma("slice-of-one-tile", frozenset({"slice"}),
+          "slice(concat(a_r,k), inside tile t) = slice(a_t) at the ranks holding tile t",
+          _slice_one_tile),
     Lemma("concatenate-other-dim", frozenset({"concatenate"}),
           "concat(concat(a_r,j), concat(b_r,j), k) = concat(concat(a_r,b_r,k), j)",
           _concatenate),

@@ -9,7 +9,11 @@ collective or a rank-dependent slice ``g``, then ``s ~ L' of d'``:
   all-gather over X, k    concat over X along k is undone (X minor on dim k)
   reduce-scatter X, k     a partial sum over X becomes a tile along k
   all-to-all X, i -> j    the tile over X moves from dim j to dim i
-  collective-permute      a replica stays a replica if every rank receives
+  collective-permute      a replica stays a replica if every rank receives;
+                          a value pinned at coordinate c moves to perm(c)
+  select(r_x == c, a, 0)  a value pinned at x = c (or replicated over x)
+                          becomes a partial sum over x; select(r_x in T, a, b)
+                          pins a to the coordinates in T
   dynamic-slice at r*k    a replica becomes a tile (offsets proved by sympy)
   multiply/divide by c    the scale changes by 1/c or c
 
@@ -24,6 +28,7 @@ from typing import Iterator, Optional
 import sympy
 
 from graphguard_hlo import ir
+from graphguard_hlo.reference import COMPARISONS
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
@@ -43,7 +48,7 @@ class Transfer:
     self.arith = arith
     self.mesh = mesh
     # Per-device `add(iota, offset)`: the candidates for tiles of a sequential iota.
-    self._iota_adds = [
+    self.iota_adds = [
         op for op in graph.ops
         if op.name == "add" and any(v.producer is not None and v.producer.name == "iota"
                                     for v in op.operands)]
@@ -72,6 +77,8 @@ class Transfer:
     axes, kind = op.attrs.get("gg.axes"), op.attrs.get("gg.reduction")
     if axes is None or kind is None or len(op.operands) != 1:
       return
+    if set(axes) & l.pinned_axes():
+      return  # the ranks the relation says nothing of join in
     partial = set(l.partial)
     scale = l.scale
     for a in axes:
@@ -89,7 +96,7 @@ class Transfer:
 
   def _all_gather(self, op, cls, l: Layout):
     axes, k = op.attrs.get("gg.axes"), op.attrs.get("all_gather_dimension")
-    if not axes or k is None or set(axes) & set(l.partial):
+    if not axes or k is None or set(axes) & (set(l.partial) | l.pinned_axes()):
       return
     have = l.dims[k]
     if have[len(have) - len(axes):] != tuple(axes):
@@ -100,7 +107,8 @@ class Transfer:
 
   def _reduce_scatter(self, op, cls, l: Layout):
     axes, k = op.attrs.get("gg.axes"), op.attrs.get("scatter_dimension")
-    if not axes or k is None or op.attrs.get("gg.reduction") != "sum":
+    if not axes or k is None or op.attrs.get("gg.reduction") != "sum" or \
+        set(axes) & l.pinned_axes():
       return
     partial, scale = set(l.partial), l.scale
     for a in axes:
@@ -117,7 +125,7 @@ class Transfer:
   def _all_to_all(self, op, cls, l: Layout):
     axes = op.attrs.get("gg.axes")
     i, j = op.attrs.get("split_dimension"), op.attrs.get("concat_dimension")
-    if not axes or i is None or j is None or set(axes) & set(l.partial):
+    if not axes or i is None or j is None or set(axes) & (set(l.partial) | l.pinned_axes()):
       return
     if i == j:
       return  # rank g gets piece g of every tile: strided, not a tile
@@ -134,10 +142,74 @@ class Transfer:
     if not axes or perm is None:
       return
     (axis,) = axes
+    pins = dict(l.at)
+    if axis in pins:
+      moved = dict(perm).get(pins[axis])
+      if moved is not None:  # the pinned rank's value now sits at its receiver
+        yield l.with_(at=tuple({**pins, axis: moved}.items()))
+      return
     receivers = {dst for _, dst in perm}
     if axis in l.used_axes() or len(receivers) != self.mesh.axis_size(axis):
       return  # a tile moved to another rank, or some rank receives zeros
     yield l
+
+  def _select(self, op, cls, l: Layout):
+    """``select(p, a, b)`` with ``p`` a function of one mesh coordinate r_x:
+    where p picks ``a``, the result is ``a``.  Pinned there (or replicated
+    over x) ``a``'s relation holds there; picked at exactly one coordinate
+    against zeros everywhere else, the result summed over x is ``a`` (the
+    masked psum that ends a pipeline)."""
+    pred, on_true, on_false = op.operands
+    if self.deg.of(pred) == cls or self.deg.of(on_true) == self.deg.of(on_false):
+      return
+    picked = self.rank_predicate(pred)
+    if picked is None:
+      return
+    axis, true_at = picked
+    is_true = self.deg.of(on_true) == cls
+    chosen = true_at if is_true else set(range(self.mesh.axis_size(axis))) - true_at
+    other = on_false if is_true else on_true
+    pins = dict(l.at)
+    if axis in l.used_axes() or not chosen:
+      return
+    if axis in pins and pins[axis] not in chosen:
+      return
+    where = [pins[axis]] if axis in pins else sorted(chosen)
+    if len(chosen) == self.mesh.axis_size(axis):
+      yield l
+    else:
+      for c in where:
+        yield l.with_(at=tuple({**pins, axis: c}.items()))
+    if len(chosen) == 1 and self.deg.splat(self.deg.of(other)) == 0.0 and (
+        not l.partial or l.partial_kind == "sum"):
+      rest = tuple((a, c) for a, c in l.at if a != axis)
+      yield l.with_(at=rest, partial=tuple(l.partial) + (axis,), partial_kind="sum")
+
+  def rank_predicate(self, pred: ir.Value) -> Optional[tuple[str, set[int]]]:
+    """(x, T) if ``pred`` is a splat of ``compare(e1, e2)`` over rank
+    arithmetic that depends on the mesh coordinate r_x only: T the r_x where
+    it holds."""
+    op = pred.producer
+    while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert") and \
+        math.prod(op.operands[0].shape) == 1:
+      op = op.operands[0].producer
+    if op is None or op.name != "compare" or math.prod(op.results[0].shape) != 1:
+      return None
+    a, b = (self.arith.value(v) for v in op.operands)
+    if a is None or b is None:
+      return None
+    free = (a - b).free_symbols
+    if len(free) > 1:
+      return None
+    axis = next((name for name, _ in self.mesh.axes if rank_symbol(name) in free), None)
+    if axis is None:
+      return None
+    holds = COMPARISONS.get(op.attrs.get("comparison_direction"))
+    if holds is None:
+      return None
+    diff, sym = a - b, rank_symbol(axis)  # a op b  <=>  a - b op 0 on integers
+    return axis, {c for c in range(self.mesh.axis_size(axis))
+                  if bool(holds(int(diff.subs(sym, c)), 0))}
 
   # -- unit dims ---------------------------------------------------------------------
   def _reshape(self, op, cls, l: Layout):
@@ -156,7 +228,7 @@ class Transfer:
       return
     sizes = op.attrs["slice_sizes"]
     dims = list(l.dims)
-    used = set(l.used_axes())
+    used = set(l.used_axes()) | l.pinned_axes()
     for k, (off_v, size) in enumerate(zip(offsets, sizes)):
       if size == operand.shape[k]:
         continue
@@ -184,7 +256,7 @@ class Transfer:
       return
     dims = list(l.dims)
     partial = list(l.partial)
-    used = set(l.used_axes())
+    used = set(l.used_axes()) | l.pinned_axes()
     for k, (off_v, size, full) in enumerate(zip(offsets, update.shape, base.shape)):
       if size == full:
         continue
@@ -252,7 +324,7 @@ class Transfer:
                    ) -> Iterator[tuple[int, Layout]]:
     """Per-device ``iota(k) + r*n`` that tile the sequential ``iota(k)`` (positions)."""
     k = attrs["iota_dimension"]
-    for op in self._iota_adds:
+    for op in self.iota_adds:
       iota_v, off_v = op.operands
       if iota_v.producer is None or iota_v.producer.name != "iota":
         iota_v, off_v = off_v, iota_v

@@ -458,6 +458,32 @@ def slice_(draw, mesh, seed):
 
 
 @st.composite
+def slice_one_tile(draw, mesh, seed):
+  """Slices inside one tile of a tiled dim (a layer out of a stage's stack),
+  sometimes straddling two tiles or strided, which the lemma must refuse."""
+  a = draw_layout(draw, mesh, draw(st.integers(1, 3)))
+  x = random_values(np.random.default_rng(seed), draw_shape(draw, mesh, a))
+  local = a.local_shape(x.shape, mesh)
+  start, limit, strides = [], [], []
+  for d, (n, axes) in enumerate(zip(x.shape, a.dims)):
+    if axes and draw(st.integers(0, 3)):
+      t = draw(st.integers(0, n // local[d] - 1))
+      s = t * local[d] + draw(st.integers(0, local[d] - 1))
+      l = draw(st.integers(s + 1, min(n, (t + 1) * local[d] + draw(st.sampled_from([0, 0, 0, 1])))))
+      k = draw(st.sampled_from([1, 1, 1, 2]))
+    elif axes:
+      s, l, k = 0, n, 1
+    else:
+      s = draw(st.integers(0, n - 1))
+      l, k = draw(st.integers(s + 1, n)), draw(st.integers(1, 2))
+    start.append(s); limit.append(l); strides.append(k)
+  attrs = {"start_indices": tuple(start), "limit_indices": tuple(limit),
+           "strides": tuple(strides)}
+  out = [len(range(s, l, k)) for s, l, k in zip(start, limit, strides)]
+  return Case(seq_op("slice", attrs, [x], out, mesh), [a], [x], seed)
+
+
+@st.composite
 def concatenate(draw, mesh, seed):
   rank = draw(st.integers(1, 3))
   k = draw(st.integers(0, rank - 1))
@@ -550,6 +576,7 @@ GENERATORS = {
     "iota": iota,
     "reduce": reduce,
     "slice-untiled-dims": slice_,
+    "slice-of-one-tile": slice_one_tile,
     "concatenate-other-dim": concatenate,
     "pad-untiled-dims": pad,
 }

@@ -395,6 +395,79 @@ def test_collective_permute():
   hits.check()
 
 
+def _off_axis(layout: Layout, axis: str) -> Layout:
+  """``layout`` with ``axis`` neither tiling a dim nor partial."""
+  return Layout(tuple(tuple(a for a in axes if a != axis) for axes in layout.dims),
+                tuple(a for a in layout.partial if a != axis), layout.partial_kind,
+                layout.scale, layout.at)
+
+
+def test_collective_permute_moves_a_pinned_value():
+  """A value pinned at coordinate c (a pipeline stage's activations) is
+  pinned at its receiver after the permute, and nowhere if c sends nothing."""
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(min_rank=0), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    axis = data.draw(st.sampled_from(list(mesh.axis_names)))
+    n = mesh.axis_size(axis)
+    layout = _off_axis(layout, axis).with_(at=((axis, data.draw(st.integers(0, n - 1))),))
+    pairs = list(enumerate(data.draw(st.permutations(range(n)))))
+    if data.draw(st.booleans()):
+      pairs = pairs[:data.draw(st.integers(0, n))]  # a pipeline's open end
+    lshape = local(layout, shape, mesh)
+    prog = Program(mesh, lshape)
+    op = prog.add("collective_permute", [prog.param], lshape, attrs=permute_attrs(axis, pairs))
+    news = check_rule(prog, op, layout, values(shape, seed), seed)
+    moved = dict(pairs).get(layout.at[0][1])
+    assert [l.at for l in news] == ([] if moved is None else [((axis, moved),)]) or (
+        moved == layout.at[0][1] and not news)  # a fixed point is dropped from the perm
+    hits.add(news)
+
+  check()
+  hits.check()
+
+
+@pytest.mark.parametrize("other", [0.0, 3.0])
+def test_select_on_a_mesh_coordinate(other):
+  """select(r_x <op> c, x, k) and select(r_x <op> c, k, x): x's relation holds
+  where it is picked (pinned there); picked at one coordinate against zeros
+  (k = 0) it is a partial sum over x.  k = 3 must never give a partial sum."""
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(min_rank=0), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    axis = data.draw(st.sampled_from(list(mesh.axis_names)))
+    n = mesh.axis_size(axis)
+    layout = _off_axis(layout, axis)
+    if data.draw(st.booleans()):
+      layout = layout.with_(at=((axis, data.draw(st.integers(0, n - 1))),))
+    lshape = local(layout, shape, mesh)
+    prog = Program(mesh, lshape)
+    c = prog.const(data.draw(st.integers(0, n - 1)), "i32")
+    direction = data.draw(st.sampled_from(["EQ", "EQ", "NE", "LT", "GE"]))
+    pred = prog.add("compare", [prog.axis_index(axis), c], (), "pred",
+                    attrs={"comparison_direction": direction}).result
+    mask = prog.add("broadcast_in_dim", [pred], lshape, "pred",
+                    attrs={"broadcast_dimensions": ()}).result
+    k = prog.add("broadcast_in_dim", [prog.const(other, "f32")], lshape,
+                 attrs={"broadcast_dimensions": ()}).result
+    picks_x = data.draw(st.booleans())
+    operands = [mask, prog.param, k] if picks_x else [mask, k, prog.param]
+    op = prog.add("select", operands, lshape)
+    news = check_rule(prog, op, layout, values(shape, seed), seed)
+    if other != 0.0:
+      assert all(set(l.partial) == set(layout.partial) for l in news)
+    hits.add(news)
+
+  check()
+  hits.check(0.3)
+
+
 # -- rank-dependent dynamic-slice ----------------------------------------------------------
 
 def slice_at_axis_index(prog: Program, sliced: list[tuple[str, ...]], sizes, bad=None) -> ir.Op:
