@@ -41,12 +41,14 @@ def test_names_and_metadata():
                                    "missing_allreduce", "loss_wrong_scale",
                                    "wrong_gather_dim", "double_counted_grad",
                                    "grad_not_allreduced", "dispatch_to_wrong_rank",
-                                   "wrong_replica_groups"}
+                                   "wrong_replica_groups", "mask_no_offset",
+                                   "kv_gathered_over_wrong_axis", "wrong_permutation"}
   for model in ("gpt2", "llama3"):
-    for strategy in ("dp", "tp", "sp", "dp_tp"):
+    for strategy in ("dp", "tp", "sp", "dp_tp", "cp", "dp_tp_cp"):
       for style in ("shard_map", "gspmd"):
         strategies.get(f"{model}/{strategy}/{style}/ok")
     strategies.get(f"{model}/fsdp/shard_map/ok")
+    strategies.get(f"{model}/pp/shard_map/ok")
 
 
 @pytest.mark.parametrize("case", ALL, ids=_ids)

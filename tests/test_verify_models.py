@@ -1,4 +1,4 @@
-"""GPT-2 and Llama-3 under dp, tp, sp and dp x tp, layers unrolled and under
+"""GPT-2 and Llama-3 under dp, tp, sp, cp, dp x tp and dp x tp x cp, layers unrolled and under
 lax.scan, forward and forward+backward: proved, and seeded bugs
 reported at their op.  GSPMD programs the engine cannot prove yet are listed
 with the reason (the test fails when one starts being proved)."""
@@ -10,8 +10,23 @@ from tools.zoo import strategies
 
 CASES = strategies.model_cases()
 
-# Correct programs the engine cannot prove yet, with the reason (none today).
-KNOWN_UNPROVED: dict[str, str] = {}
+# Correct programs the engine cannot prove yet, with the reason.
+_RESIDUALS_DIFFER = (
+    "jax's scan saves different residuals for the backward pass in the two programs: "
+    "the sequential scan stacks a tp-split projection per layer, the per-device scan "
+    "(with the cp all-gathers in its body) stacks layernorm's centred input instead, so "
+    "one stacked residual has no per-device counterpart")
+KNOWN_UNPROVED: dict[str, str] = {
+    "gpt2/dp_tp_cp_scan_grad/shard_map/ok": _RESIDUALS_DIFFER,
+    "llama3/dp_tp_cp_scan_grad/shard_map/ok": _RESIDUALS_DIFFER,
+    "llama3/sp_grad/gspmd/ok": (
+        "the backward of the kv projections with each kv head split over 2 of 4 ranks: "
+        "dv and wv relate tile by tile, but XLA computes dv @ wv^T in a form no lemma "
+        "reaches (not diagnosed further)"),
+    "llama3/ep_grad/gspmd/ok": (
+        "XLA all-to-alls the router logits' cotangent in a unit-dim-broadcast form of the "
+        "tile, and the all-to-all transfer rule needs the tile's exact shape"),
+}
 
 
 def _verify(case):

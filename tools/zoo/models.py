@@ -26,7 +26,7 @@ a few -1 / +1) give a defined result rather than NaN.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,9 @@ class Config:
   # Layers stacked ([layers, ...] parameters named ``layers.<base>``) and run
   # under ``lax.scan`` (a while loop in the modules) instead of unrolled.
   scan_layers: bool = False
+  # Layers stacked as above but unrolled, each reading its row of the stacks
+  # (``Parallel.run_stack``: a pipeline runs its stage's rows).
+  stacked_params: bool = False
   # llama3 only: > 0 replaces the SwiGLU MLP by a top-1 Mixture-of-Experts
   # layer with this many SwiGLU experts (``moe_mlp``).
   experts: int = 0
@@ -65,6 +68,7 @@ class Config:
     assert self.d_model % self.heads == 0, self
     assert self.heads % self.kv_heads == 0, self
     assert self.head_dim % 2 == 0, self
+    assert not (self.scan_layers and self.stacked_params), self
 
   @property
   def head_dim(self) -> int:
@@ -103,6 +107,11 @@ def _all_heads(x, n_local):
   return x
 
 
+def lower_triangle(sq, sk):
+  """The causal mask bool[sq, sk]: query i sees keys 0..i."""
+  return jnp.tril(jnp.ones((sq, sk), dtype=bool))
+
+
 def _identity(x):
   return x
 
@@ -120,12 +129,20 @@ class Parallel:
   repeat_kv: Callable = repeat_kv
   # ([b, s, heads, hd], n_local) -> this device's n_local heads.
   local_heads: Callable = _all_heads
+  # Context parallelism: (k or v [b, s_local, h, hd], axis) -> the whole
+  # sequence's keys / values; (sq, sk) -> the causal mask of this device's
+  # queries against all keys.
+  gather_kv: Callable = _no_gather
+  causal_mask: Callable = lower_triangle
   # per-token nll [b, s] -> scalar loss
   combine_loss: Callable = jnp.mean
   # MoE: tokens [experts, b, s, d] held by token owners -> by expert owners,
   # and the experts' outputs back (all-to-alls under expert parallelism).
   to_experts: Callable = _identity
   from_experts: Callable = _identity
+  # (h, {base: stacked [n, ...]}, layer) -> h after layers 0..n-1 of the
+  # stacks (``Config.stacked_params``); a pipeline runs its stage's rows.
+  run_stack: Optional[Callable] = None  # None: run_stack_in_order
 
 
 SEQUENTIAL = Parallel()
@@ -163,7 +180,7 @@ def param_specs(model: str, cfg: Config) -> list[tuple[str, tuple]]:
   d, v = cfg.d_model, cfg.vocab
   if model not in MODELS:
     raise ValueError(f"unknown model {model!r}; known: {MODELS}")
-  if cfg.scan_layers:
+  if cfg.scan_layers or cfg.stacked_params:
     layers = [(f"layers.{n}", (cfg.layers, *s)) for n, s in _layer_params(model, cfg)]
   else:
     layers = [(f"l{i}.{n}", s) for i in range(cfg.layers)
@@ -188,13 +205,22 @@ def _unpack(model: str, cfg: Config, params) -> dict:
   return dict(zip(names, params))
 
 
-def _run_layers(h, p: dict, cfg: Config, layer: Callable):
+def run_stack_in_order(h, stacked: dict, layer: Callable):
+  """h after one layer per row of the stacks, in order."""
+  for i in range(next(iter(stacked.values())).shape[0]):
+    h = layer(h, lambda n, i=i: stacked[n][i])
+  return h
+
+
+def _run_layers(h, p: dict, cfg: Config, layer: Callable, par: Parallel):
   """h after every layer; ``layer(h, w)`` reads its weights as ``w(base)``."""
+  stacked = {base_name(k): v for k, v in p.items() if is_stacked(k)}
+  if cfg.stacked_params:
+    return (par.run_stack or run_stack_in_order)(h, stacked, layer)
   if not cfg.scan_layers:
     for i in range(cfg.layers):
       h = layer(h, lambda n, i=i: p[f"l{i}.{n}"])
     return h
-  stacked = {base_name(k): v for k, v in p.items() if is_stacked(k)}
 
   def body(h, ws):
     return layer(h, lambda n: ws[n]), None
@@ -225,12 +251,14 @@ def rmsnorm(x, g):
   return x * lax.rsqrt(ms + EPS) * g
 
 
-def causal_attention(q, k, v):
-  """q, k, v [b, s, h, hd] -> [b, s, h * hd]; heads are independent, so a
-  device holding some heads of q, k, v computes those heads' outputs."""
+def causal_attention(q, k, v, mask=lower_triangle):
+  """q [b, sq, h, hd], k, v [b, sk, h, hd] -> [b, sq, h * hd]; heads are
+  independent, so a device holding some heads of q, k, v computes those
+  heads' outputs, and one holding some queries (and every key) those
+  queries' outputs, with ``mask(sq, sk)`` saying which keys each sees."""
   b, s, h, hd = q.shape
   scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(np.sqrt(hd))
-  causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+  causal = mask(s, k.shape[1])
   scores = jnp.where(causal, scores, np.float32(-1e9))
   probs = jax.nn.softmax(scores, axis=-1)
   return jnp.einsum("bhst,bthd->bshd", probs, v).reshape(b, s, h * hd)
@@ -277,13 +305,14 @@ def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
     q = (a @ w("wq") + w("bq")).reshape(b, s, -1, hd)
     k = (a @ w("wk") + w("bk")).reshape(b, s, -1, hd)
     v = (a @ w("wv") + w("bv")).reshape(b, s, -1, hd)
-    attn = causal_attention(q, k, v) @ w("wo")
+    k, v = par.gather_kv(k), par.gather_kv(v)
+    attn = causal_attention(q, k, v, par.causal_mask) @ w("wo")
     h = h + (par.reduce_attn(attn) + w("bo"))
     m = par.gather_seq(layernorm(h, w("ln2_g"), w("ln2_b")))
     mlp = jax.nn.gelu(m @ w("w_fc") + w("b_fc"), approximate=True) @ w("w_proj")
     return h + (par.reduce_mlp(mlp) + w("b_proj"))
 
-  h = _run_layers(h, p, cfg, layer)
+  h = _run_layers(h, p, cfg, layer, par)
   h = layernorm(h, p["lnf_g"], p["lnf_b"])
   logits = h @ wte.T                              # tied output head
   return par.combine_loss(cross_entropy(logits, labels))
@@ -301,10 +330,11 @@ def _gqa_attention(a, wq, wk, wv, cos, sin, cfg: Config, par: Parallel):
   k = (a @ wk).reshape(b, s, -1, hd)
   v = (a @ wv).reshape(b, s, -1, hd)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  k, v = par.gather_kv(k), par.gather_kv(v)
   n_q = q.shape[2]
   k = par.local_heads(par.repeat_kv(k, cfg.kv_groups), n_q)
   v = par.local_heads(par.repeat_kv(v, cfg.kv_groups), n_q)
-  return causal_attention(q, k, v)
+  return causal_attention(q, k, v, par.causal_mask)
 
 
 def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
@@ -325,7 +355,7 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
     mlp = (jax.nn.silu(m @ w("w_gate")) * (m @ w("w_up"))) @ w("w_down")
     return h + par.reduce_mlp(mlp)
 
-  h = _run_layers(h, p, cfg, layer)
+  h = _run_layers(h, p, cfg, layer, par)
   h = rmsnorm(h, p["final_norm"])
   logits = h @ p["head"]                          # untied output head
   return par.combine_loss(cross_entropy(logits, labels))

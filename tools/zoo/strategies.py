@@ -20,10 +20,23 @@
     tokens (local iota + ``axis_index * shard_len``) and gathered.
   * ``dp_tp``: ``tp`` on "tp" of a 2x4 ("dp", "tp") mesh with the batch over
     "dp".
+  * ``cp``: context parallelism on "cp" (4 devices) with all-gathered keys and
+    values, as Llama 3 was trained: tokens, labels and every activation stay
+    sharded over the sequence; each layer gathers k and v (after RoPE at the
+    rank's own positions) and masks its queries at their offset
+    (``iota + axis_index * shard_len``).  GPT-2's ``wpe`` goes with its tokens.
+  * ``dp_tp_cp``: a 2x2x2 ("dp", "tp", "cp") mesh: the batch over "dp", the
+    sequence over "cp", Megatron TP on "tp"; the loss a pmean over dp and cp.
 
-Every correct strategy exists as ``shard_map`` (hand-written collectives) and
+  * ``pp``: pipeline parallelism on "pp" (4 stages): 8 layers with stacked
+    parameters split over the stages by layer, two per stage; the stages
+    unrolled, each round every stage runs its layers and ``ppermute``s the
+    result to the next; a masked ``psum`` hands the last stage's output to all.
+    No microbatches, forward only, shard_map only (GSPMD has no pipelines).
+
+Every correct strategy (but ``pp``) exists as ``shard_map`` (hand-written collectives) and
 as ``gspmd`` (the sequential function jitted with in/out shardings), and
-``<model>/dp_tp_grad/gspmd/ok`` is ``jax.value_and_grad`` of the loss with
+``<model>/<strategy>_grad/gspmd/ok`` is ``jax.value_and_grad`` of the loss with
 respect to every parameter, returning ``(loss, (grad, ...))`` with each
 gradient sharded like its parameter.  NB: that output is a tuple, which
 ``numeric.run_both`` (``np.asarray`` of the output) cannot hold; use
@@ -52,7 +65,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tools.zoo.cases import Case, mesh_of
 from tools.zoo.models import (MODELS, Config, Parallel, arg_shapes, base_name, is_stacked,
-                              loss_fn, param_specs, repeat_kv)
+                              loss_fn, param_specs, repeat_kv, run_stack_in_order)
 
 
 # --------------------------------------------------------------------------
@@ -112,6 +125,33 @@ def _sharded_positions(axis_name, with_offset=True):
   return positions
 
 
+def _offset_causal_mask(axis_name, with_offset=True):
+  """The causal mask of this device's queries (rows ``r * sq ...``) against
+  every key: without the offset each rank masks as if its queries came first."""
+  def mask(sq, sk):
+    rows = lax.broadcasted_iota(jnp.int32, (sq, sk), 0)
+    if with_offset:
+      rows = rows + lax.axis_index(axis_name) * sq
+    return rows >= lax.broadcasted_iota(jnp.int32, (sq, sk), 1)
+  return mask
+
+
+def _cp_par(base=None, loss_axes=("cp",), gather_axis="cp", with_offset=True):
+  """Context parallelism on "cp" with all-gathered keys and values (as Llama 3
+  was trained): activations stay sharded over the sequence; attention gathers
+  k and v (after RoPE, which each rank applies at its own positions) and masks
+  its queries at their offset.  ``base``: hooks of other axes (TP) to keep."""
+  return dataclasses.replace(
+      base or Parallel(), gather_kv=_gather_seq(gather_axis),
+      causal_mask=_offset_causal_mask("cp", with_offset),
+      positions=_sharded_positions("cp"),
+      combine_loss=_pmean_of_mean(loss_axes if len(loss_axes) > 1 else loss_axes[0]))
+
+
+def _dp_tp_cp_par():
+  return _cp_par(_tp_par(), loss_axes=("dp", "cp"))
+
+
 def _dp_par(combine=_pmean_of_mean):
   return Parallel(combine_loss=combine("dp"))
 
@@ -164,6 +204,27 @@ def _ep_par(dispatch=_to_expert_owners):
                   from_experts=_to_token_owners("ep"))
 
 
+def _pipeline_stages(axis, shift=1):
+  """Pipeline parallelism on ``axis`` (no microbatches): stage s holds rows
+  s*m .. s*m+m-1 of the layer stacks.  Every stage runs its layers on what it
+  holds, then passes the result to stage s + ``shift``; after |axis| rounds
+  the last stage holds the output, which a masked psum hands to everyone.
+  ``shift=-1`` is the seeded bug: activations flow to the previous stage."""
+  def run(h, stacked, layer):
+    n = lax.axis_size(axis)
+    stage = lax.axis_index(axis)
+    for t in range(n):
+      h = run_stack_in_order(h, stacked, layer)
+      if t < n - 1:
+        h = lax.ppermute(h, axis, [(s, (s + shift) % n) for s in range(n)])
+    return lax.psum(jnp.where(stage == n - 1, h, 0.0), axis)
+  return run
+
+
+def _pp_par(shift=1):
+  return Parallel(run_stack=_pipeline_stages("pp", shift))
+
+
 # --------------------------------------------------------------------------
 # Shardings.
 # --------------------------------------------------------------------------
@@ -203,6 +264,15 @@ def _sp_param_spec(model, name):
   return _tp_param_spec(model, name)
 
 
+def _cp_param_spec(model, name):
+  """GPT-2's learned positions go with their tokens; the rest is replicated."""
+  return P("cp", None) if (model, name) == ("gpt2", "wpe") else P()
+
+
+def _dp_tp_cp_param_spec(model, name):
+  return _cp_param_spec(model, name) if name == "wpe" else _tp_param_spec(model, name)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Strategy:
   name: str
@@ -212,6 +282,7 @@ class _Strategy:
   param_spec: Callable[[str, str], P]
   par: Callable[[], Parallel]           # the correct per-device hooks
   cfg_overrides: tuple = ()
+  layer_axis: Optional[str] = None      # the axis splitting stacked layers
 
 
 _STRATEGIES = {s.name: s for s in [
@@ -221,7 +292,14 @@ _STRATEGIES = {s.name: s for s in [
     _Strategy("sp", (4,), ("tp",), P(None, "tp"), _sp_param_spec, _sp_par),
     _Strategy("dp_tp", (2, 4), ("dp", "tp"), P("dp", None), _tp_param_spec,
               _dp_tp_par),
+    _Strategy("cp", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _cp_par),
+    _Strategy("dp_tp_cp", (2, 2, 2), ("dp", "tp", "cp"), P("dp", "cp"),
+              _dp_tp_cp_param_spec, _dp_tp_cp_par),
 ]}
+
+# Pipeline parallelism: 8 layers on 4 stages, two per stage.
+PP = _Strategy("pp", (4,), ("pp",), P(), _no_param_specs, _pp_par,
+               (("stacked_params", True), ("layers", 8)), layer_axis="pp")
 
 # Expert parallelism: llama3 only (its MLP is the MoE layer), 4 experts.
 EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
@@ -274,6 +352,20 @@ def _bugs() -> list[_Bug]:
                            combine=_pmean_of_mean("dp"))),
       _Bug("llama3", "dp", "loss_wrong_scale", "output",
            lambda: _dp_par(combine=_psum_of_mean)),
+      # Context parallelism with every rank masking as if its queries came
+      # first: the sequential mask's row iota, broadcast over the keys, is the
+      # first value no rank holds its tile of (rank 0's is right).
+      _Bug("llama3", "cp", "mask_no_offset", "broadcast_in_dim",
+           lambda: _cp_par(with_offset=False)),
+      # Keys and values gathered over "tp" instead of "cp" on the 2x2x2 mesh:
+      # shape-correct (|tp| = |cp|), but each rank attends to its own sequence
+      # shard twice.  GPT-2's scores (q . k) are the first op left without a
+      # value; in Llama the reshape of jnp.repeat comes before (its broadcast
+      # still relates: a new dim may be tiled over any axis).
+      _Bug("gpt2", "dp_tp_cp", "kv_gathered_over_wrong_axis", "dot_general",
+           lambda: _cp_par(_tp_par(), loss_axes=("dp", "cp"), gather_axis="tp")),
+      _Bug("llama3", "dp_tp_cp", "kv_gathered_over_wrong_axis", "reshape",
+           lambda: _cp_par(_tp_par(), loss_axes=("dp", "cp"), gather_axis="tp")),
   ]
 
 
@@ -291,7 +383,7 @@ def _cfg(strategy: _Strategy, base: Config) -> Config:
 
 def _param_spec(model: str, strategy: _Strategy, name: str) -> P:
   spec = strategy.param_spec(model, name)
-  return P(None, *spec) if is_stacked(name) else spec  # the layer dim is whole
+  return P(strategy.layer_axis, *spec) if is_stacked(name) else spec
 
 
 def _in_specs(model: str, strategy: _Strategy, cfg: Config) -> tuple:
@@ -457,9 +549,6 @@ def _sgd(value_and_grad):
   return step
 
 
-GRAD_STRATEGY = "dp_tp"
-
-
 @functools.cache
 def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built = []
@@ -486,6 +575,16 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                "dot_general"))
   if grad:
     built.append(_shard_map_grad_case("llama3", EP, cfg))
+    built.append(_grad_case("llama3", EP, cfg))
+  # Pipeline parallelism, and activations sent to the wrong stage: the first
+  # op of layer 2 (stage 1's first) meets its weights at stage 1 and its
+  # input at stage 3: layernorm's / rmsnorm's first op reading both.
+  for model in MODELS:
+    built.append(_shard_map_case(model, PP, cfg, "ok", PP.par()))
+  built.append(_shard_map_case("gpt2", PP, cfg, "wrong_permutation", _pp_par(shift=-1),
+                               "wrong_permutation", "multiply"))
+  built.append(_shard_map_case("llama3", PP, cfg, "wrong_permutation", _pp_par(shift=-1),
+                               "wrong_permutation", "multiply"))
   # Layers stacked under lax.scan: proved by one inductive step of the loop.
   for model in MODELS:
     for strategy in _STRATEGIES.values():
@@ -501,7 +600,8 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                check_vma=False))
   if grad:
     for model in MODELS:
-      built.append(_grad_case(model, _STRATEGIES[GRAD_STRATEGY], cfg))
+      for strategy in _STRATEGIES.values():
+        built.append(_grad_case(model, strategy, cfg))
       for strategy in _STRATEGIES.values():
         built.append(_shard_map_grad_case(model, strategy, cfg))
       built.append(_shard_map_grad_case(model, _STRATEGIES["dp_tp"], cfg, sgd_step=True))
