@@ -373,12 +373,21 @@ def canonical_local_op(name: str, attrs: dict, operand_types: list[ir.TensorType
   return name, attrs
 
 
+def _drop_dead_ops(g: ir.Graph) -> None:
+  """Dead ops out of ``g`` and the bodies nested in it (shard_map's body holds
+  the loops a rewrite left unused)."""
+  g.ops = _without_dead_ops(g.ops, g.results)
+  for op in g.ops:
+    for region in op.regions:
+      _drop_dead_ops(region)
+
+
 def canonicalize_module(module: ir.Module) -> int:
   from graphguard_hlo.passes.loop_copies import forward_stacked_copies
   rewrites = 0
   for g in module.functions.values():
     rewrites += canonicalize_graph(module, g)
-    if forward_stacked_copies(g):
+    if forward_stacked_copies(module, g):
       rewrites += 1
-      g.ops = _without_dead_ops(g.ops, g.results)
+      _drop_dead_ops(g)
   return rewrites

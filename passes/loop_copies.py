@@ -14,6 +14,12 @@ with ``W`` a carry the body passes through unchanged, ``N == W.shape[0]``, the
 slice one full row of ``W`` and ``units`` only dropping or inserting unit dims.
 Every row 0..N-1 of ``acc`` is overwritten with the same row of ``W``, so the
 loop result is ``W`` whatever ``acc`` started as.
+
+Under FSDP the saved row is the all-gathered weight row, ``all_gather(units(ds(W,
+[i,..])), k)``: the rows of ``acc`` are then those of ``all_gather(W, k')``
+(the same replica groups; ``k'`` the dim of ``W`` that grows), and the loop
+result is replaced by that one all-gather of the whole stack, placed before
+the loop.
 """
 
 from __future__ import annotations
@@ -73,36 +79,66 @@ def _through_unit_dims(v: ir.Value) -> ir.Value:
   return v
 
 
-def _copied_input(loop: ir.Op, k: int, counter: int, n: int) -> Optional[int]:
-  """The invariant carry whose rows carry ``k`` is rebuilt from, if it is."""
+def _copied_input(loop: ir.Op, k: int, counter: int, n: int
+                  ) -> Optional[tuple[int, Optional[ir.Op]]]:
+  """(the invariant carry whose rows carry ``k`` is rebuilt from, the
+  all-gather applied to each row or None), if it is."""
   body = loop.regions[1]
   dus = body.results[k].producer
   if dus is None or dus.name != "dynamic_update_slice" or dus.operands[0] is not body.params[k]:
     return None
   update, *starts = dus.operands[1:]
   row = _through_unit_dims(update)
+  gather = None
+  if row.producer is not None and row.producer.name == "all_gather" and \
+      len(row.producer.operands) == 1:
+    gather = row.producer
+    row = _through_unit_dims(gather.operands[0])
   ds = row.producer
   if ds is None or ds.name != "dynamic_slice":
     return None
   w, *ds_starts = ds.operands
   src = _invariant(body, w)
-  if src is None or w.type != body.params[k].type or w.shape[0] != n:
+  if src is None or w.shape[0] != n or update.shape[0] != 1:
     return None
-  if tuple(ds.attrs["slice_sizes"]) != (1, *w.shape[1:]) or update.shape[0] != 1:
+  if gather is None and w.type != body.params[k].type:
+    return None
+  if gather is not None and _gathered_dim(gather, w, body.params[k].type) is None:
+    return None
+  if tuple(ds.attrs["slice_sizes"]) != (1, *w.shape[1:]):
     return None
   for idx in (starts, ds_starts):
     if idx[0] is not body.params[counter] or any(
         _splat(loop, body, s) != 0 for s in idx[1:]):
       return None
-  return src
+  return src, gather
 
 
-def forward_stacked_copies(graph: ir.Graph) -> int:
+def _gathered_dim(gather: ir.Op, w: ir.Value, stacked: ir.TensorType) -> Optional[int]:
+  """The dim of ``w`` whose rows' all-gather grows it into ``stacked``: the
+  one dim that differs, and the same non-unit dim the gather runs along."""
+  if stacked.dtype != w.type.dtype or stacked.rank != w.type.rank:
+    return None
+  grown = [d for d in range(w.type.rank) if stacked.shape[d] != w.shape[d]]
+  if len(grown) != 1 or grown[0] == 0:
+    return None
+  j = gather.attrs.get("all_gather_dimension")
+  src = gather.operands[0].shape
+  if j is None or src[j] == 1:
+    return None
+  nth = sum(1 for x in src[:j] if x != 1)  # unit-dim changes keep non-unit dims' order
+  row_non_unit = [d for d in range(1, w.type.rank) if w.shape[d] != 1]
+  return grown[0] if nth < len(row_non_unit) and row_non_unit[nth] == grown[0] else None
+
+
+def forward_stacked_copies(module: ir.Module, graph: ir.Graph) -> int:
   """Replace uses of copying-loop results by the copied input; returns how many."""
   replace: dict[int, ir.Value] = {}
+  hoisted: dict[int, list[ir.Op]] = {}  # loop -> all-gathers placed before it
+  nested = 0
   for op in graph.ops:
     for region in op.regions:
-      forward_stacked_copies(region)
+      nested += forward_stacked_copies(module, region)
     if op.name != "while" or len(op.regions) != 2:
       continue
     found = counter_of(op)
@@ -110,11 +146,23 @@ def forward_stacked_copies(graph: ir.Graph) -> int:
       continue
     counter, n = found
     for k in range(len(op.results)):
-      src = _copied_input(op, k, counter, n)
-      if src is not None:
+      copied = _copied_input(op, k, counter, n)
+      if copied is None:
+        continue
+      src, gather = copied
+      if gather is None:
         replace[op.results[k].id] = op.operands[src]
+        continue
+      dim = _gathered_dim(gather, op.operands[src], op.results[k].type)
+      whole = ir.Op("all_gather", [op.operands[src]],
+                    {**gather.attrs, "all_gather_dimension": dim}, [], gather.location)
+      whole.results = [module.new_value(op.results[k].type, whole, 0)]
+      hoisted.setdefault(id(op), []).append(whole)
+      replace[op.results[k].id] = whole.results[0]
+  if hoisted:
+    graph.ops = [new for old in graph.ops for new in hoisted.get(id(old), []) + [old]]
   if replace:
     for op in graph.walk():
       op.operands = [replace.get(v.id, v) for v in op.operands]
     graph.results = [replace.get(v.id, v) for v in graph.results]
-  return len(replace)
+  return len(replace) + nested
