@@ -143,6 +143,9 @@ class Parallel:
   # (h, {base: stacked [n, ...]}, layer) -> h after layers 0..n-1 of the
   # stacks (``Config.stacked_params``); a pipeline runs its stage's rows.
   run_stack: Optional[Callable] = None  # None: run_stack_in_order
+  # (base name, a layer's weight as held) -> the weight the layer computes
+  # with: FSDP all-gathers its shard here, inside the layer (and the scan).
+  layer_weight: Callable = lambda name, w: w
 
 
 SEQUENTIAL = Parallel()
@@ -215,15 +218,17 @@ def run_stack_in_order(h, stacked: dict, layer: Callable):
 def _run_layers(h, p: dict, cfg: Config, layer: Callable, par: Parallel):
   """h after every layer; ``layer(h, w)`` reads its weights as ``w(base)``."""
   stacked = {base_name(k): v for k, v in p.items() if is_stacked(k)}
+  gathering = lambda read: (lambda n: par.layer_weight(n, read(n)))
   if cfg.stacked_params:
-    return (par.run_stack or run_stack_in_order)(h, stacked, layer)
+    run = par.run_stack or run_stack_in_order
+    return run(h, stacked, lambda h, w: layer(h, gathering(w)))
   if not cfg.scan_layers:
     for i in range(cfg.layers):
-      h = layer(h, lambda n, i=i: p[f"l{i}.{n}"])
+      h = layer(h, gathering(lambda n, i=i: p[f"l{i}.{n}"]))
     return h
 
   def body(h, ws):
-    return layer(h, lambda n: ws[n]), None
+    return layer(h, gathering(lambda n: ws[n])), None
 
   return lax.scan(body, h, stacked)[0]
 

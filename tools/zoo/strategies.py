@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Callable, Optional
 
 import jax
@@ -471,28 +472,53 @@ def _fsdp_spec(shape) -> P:
       P(*([None] * len(shape)))
 
 
-def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=None) -> Case:
+def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=None,
+               scan=False, grad=False) -> Case:
   """shard_map FSDP: gather each sharded weight (along ``gather_dim``: 0 is right;
-  1 is the seeded bug, made shape-correct by a reshape) and run the dp loss."""
-  cfg = _cfg(FSDP, cfg)
-  mesh = _mesh(FSDP.mesh_shape, FSDP.axis_names)
-  shapes = [s for _, s in param_specs(model, cfg)]
-  specs = (FSDP.token_spec, FSDP.token_spec) + tuple(_fsdp_spec(s) for s in shapes)
-  local = loss_fn(model, cfg, FSDP.par(), name=_ident(model, "fsdp", variant))
+  1 is the seeded bug, made shape-correct by a reshape) and run the dp loss.
 
-  def gather(p, spec, shape):
-    if spec[0] != "dp":
+  ``scan``: layers stacked under ``lax.scan``, each layer's weights sharded on
+  their own leading dim and gathered inside the scanned layer (ZeRO-3 proper);
+  the rest gathered up front.  ``grad``: value_and_grad of the step inside
+  shard_map; the gathers transpose to reduce-scatters, so every gradient comes
+  out sharded like its parameter."""
+  cfg = _cfg(FSDP, dataclasses.replace(cfg, scan_layers=scan))
+  mesh = _mesh(FSDP.mesh_shape, FSDP.axis_names)
+  names = [n for n, _ in param_specs(model, cfg)]
+  shapes = [s for _, s in param_specs(model, cfg)]
+  specs = (FSDP.token_spec, FSDP.token_spec) + tuple(
+      P(None, *_fsdp_spec(s[1:])) if is_stacked(n) else _fsdp_spec(s)
+      for n, s in zip(names, shapes))
+  layer_shapes = {base_name(n): s[1:] for n, s in zip(names, shapes) if is_stacked(n)}
+  kind = ("scan_" if scan else "") + ("grad" if grad else "")
+  label = _ident(model, "fsdp", kind or variant)
+
+  def gather(p, shape):
+    if _fsdp_spec(shape)[0] != "dp":
       return p
     if gather_dim == 0 or len(shape) < 2:
       return lax.all_gather(p, "dp", axis=0, tiled=True)
     return lax.all_gather(p, "dp", axis=1, tiled=True).reshape(shape)
 
+  par = dataclasses.replace(FSDP.par(), layer_weight=lambda n, w: gather(w, layer_shapes[n])) \
+      if scan else FSDP.par()
+  local = loss_fn(model, cfg, par, name=label)
+
   def body(tokens, labels, *params):
-    return local(tokens, labels, *[gather(p, sp, sh) for p, sp, sh in
-                                   zip(params, specs[2:], shapes)])
-  body.__name__ = body.__qualname__ = _ident(model, "fsdp", variant)
-  dist_fn = shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())
-  return Case(name=f"{model}/fsdp/shard_map/{variant}", seq_fn=_seq_fn(model, cfg),
+    return local(tokens, labels, *[p if is_stacked(n) else gather(p, s)
+                                   for p, n, s in zip(params, names, shapes)])
+  body.__name__ = body.__qualname__ = label
+  argnums = tuple(range(2, 2 + len(names)))
+  seq_fn, out_specs = _seq_fn(model, cfg), P()
+  if grad:
+    vg_seq = jax.value_and_grad(seq_fn, argnums=argnums)
+    seq_fn = lambda tokens, labels, *params: vg_seq(tokens, labels, *params)
+    seq_fn.__name__ = seq_fn.__qualname__ = _ident(model, "fsdp", kind, "seq")
+    body = jax.value_and_grad(body, argnums=argnums)
+    out_specs = (P(), tuple(specs[2:]))
+  dist_fn = shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)
+  strategy = "fsdp" + ("_scan" if scan else "") + ("_grad" if grad else "")
+  return Case(name=f"{model}/{strategy}/shard_map/{variant}", seq_fn=seq_fn,
               dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
               dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
               style="shard_map", bug=bug, bug_primitive=bug_primitive)
@@ -556,7 +582,8 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     for strategy in _STRATEGIES.values():
       built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
   for model in MODELS:
-    built.append(_fsdp_case(model, cfg))
+    for scan, grad in itertools.product((False, True), (False, True) if grad else (False,)):
+      built.append(_fsdp_case(model, cfg, scan=scan, grad=grad))
   # The first matmul reading a weight gathered along the wrong dim (its rows
   # come out interleaved): GPT-2's one-hot embedding lookup.
   built.append(_fsdp_case("gpt2", cfg, "wrong_gather_dim", gather_dim=1,
