@@ -600,9 +600,13 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built.append(_shard_map_case("llama3", EP, cfg, "dispatch_to_wrong_rank",
                                _ep_par(_to_next_rank_experts), "dispatch_to_wrong_rank",
                                "dot_general"))
+  ep_scan = _scanned(EP)
+  built.append(_shard_map_case("llama3", ep_scan, cfg, "ok", ep_scan.par()))
+  built.append(_gspmd_case("llama3", ep_scan, cfg))
   if grad:
     built.append(_shard_map_grad_case("llama3", EP, cfg))
     built.append(_grad_case("llama3", EP, cfg))
+    built.append(_shard_map_grad_case("llama3", ep_scan, cfg))
   # Pipeline parallelism, and activations sent to the wrong stage: the first
   # op of layer 2 (stage 1's first) meets its weights at stage 1 and its
   # input at stage 3: layernorm's / rmsnorm's first op reading both.
