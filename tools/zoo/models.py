@@ -59,9 +59,11 @@ class Config:
   # Layers stacked as above but unrolled, each reading its row of the stacks
   # (``Parallel.run_stack``: a pipeline runs its stage's rows).
   stacked_params: bool = False
-  # llama3 only: > 0 replaces the SwiGLU MLP by a top-1 Mixture-of-Experts
-  # layer with this many SwiGLU experts (``moe_mlp``).
+  # llama3 only: > 0 replaces the SwiGLU MLP by a top-k Mixture-of-Experts
+  # layer with this many SwiGLU experts (``moe_mlp``), each token routed to
+  # ``top_k`` of them.
   experts: int = 0
+  top_k: int = 2
 
   def __post_init__(self):
     assert self.embedding in ("one_hot", "take"), self
@@ -356,7 +358,7 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
     h = h + par.reduce_attn(attn @ w("wo"))
     m = par.gather_seq(rmsnorm(h, w("mlp_norm")))
     if cfg.experts:
-      return h + moe_mlp(m, w, par)
+      return h + moe_mlp(m, w, par, cfg.top_k)
     mlp = (jax.nn.silu(m @ w("w_gate")) * (m @ w("w_up"))) @ w("w_down")
     return h + par.reduce_mlp(mlp)
 
@@ -366,21 +368,29 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
   return par.combine_loss(cross_entropy(logits, labels))
 
 
-def moe_mlp(m, w, par: Parallel):
-  """Top-1 Mixture of SwiGLU experts, GShard-style with each batch row a
-  group and room for every token at every expert (nothing dropped): tokens
-  are dispatched to an [experts, b, s, d] tensor by a one-hot mask, each
-  expert runs on its slice, and each token takes its expert's output scaled
-  by the router's probability.  Under expert parallelism the dispatched
-  tensor is all-to-all'd from token owners to expert owners and back."""
+def moe_mlp(m, w, par: Parallel, top_k: int):
+  """Top-k Mixture of SwiGLU experts (Mixtral-style gates: the router's
+  softmax over the chosen experts), GShard-style with each batch row a group
+  and room for every token at every expert (nothing dropped): tokens are
+  dispatched to an [experts, b, s, d] tensor by a k-hot mask, each expert runs
+  on its slice, and each token sums its experts' outputs weighted by their
+  gates.  The k experts are picked by k rounds of arg-max masking.  Under
+  expert parallelism the dispatched tensor is all-to-all'd from token owners
+  to expert owners and back."""
   logits = m @ w("w_router")                                     # [b, s, E]
-  gates = jax.nn.softmax(logits, axis=-1)
-  top1 = (logits == jnp.max(logits, axis=-1, keepdims=True)).astype(F32)
-  x = par.to_experts(jnp.einsum("bse,bsd->ebsd", top1, m))
+  chosen = jnp.zeros_like(logits)
+  left = logits
+  for _ in range(top_k):
+    pick = left == jnp.max(left, axis=-1, keepdims=True)
+    chosen = chosen + pick.astype(F32)
+    left = jnp.where(pick, -jnp.inf, left)
+  gates = jnp.where(chosen > 0, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)
+  gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  x = par.to_experts(jnp.einsum("bse,bsd->ebsd", chosen, m))
   hidden = jax.nn.silu(jnp.einsum("ebsd,edf->ebsf", x, w("w_gate"))) * jnp.einsum(
       "ebsd,edf->ebsf", x, w("w_up"))
   y = par.from_experts(jnp.einsum("ebsf,efd->ebsd", hidden, w("w_down")))
-  return jnp.einsum("ebsd,bse->bsd", y, gates * top1)
+  return jnp.einsum("ebsd,bse->bsd", y, gates)
 
 
 LOSSES = {"gpt2": gpt2_loss, "llama3": llama3_loss}
