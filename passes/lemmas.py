@@ -351,14 +351,24 @@ def _reduce(op: SeqOp, ls: Sequence[Layout]):
     yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, out
 
 
+def _slice_frame(op: SeqOp, a: Layout):
+  """(global shape, local shape, start, limit, strides as lists) of a slice of
+  an operand laid out by ``a``; None if ``a`` does not divide the operand."""
+  shape = op.operand_types[0].shape
+  local = a.local_shape(shape, op.mesh)
+  if local is None:
+    return None
+  return (shape, local, *(list(op.attrs[k]) for k in ("start_indices", "limit_indices",
+                                                        "strides")))
+
+
 def _slice(op: SeqOp, ls: Sequence[Layout]):
   """slice(concat(a_r, k)) = concat(slice(a_r), k) when dim k is taken whole."""
   (a,) = ls
-  shape = op.operand_types[0].shape
-  start, limit, strides = (list(op.attrs[k]) for k in ("start_indices", "limit_indices", "strides"))
-  local = a.local_shape(shape, op.mesh)
-  if local is None:
+  frame = _slice_frame(op, a)
+  if frame is None:
     return
+  shape, local, start, limit, strides = frame
   for d, axes in enumerate(a.dims):
     if axes:
       if (start[d], limit[d], strides[d]) != (0, shape[d], 1):
@@ -373,11 +383,10 @@ def _slice_one_tile(op: SeqOp, ls: Sequence[Layout]):
   holding tile t, when [s, e) lies inside tile t of dim k: a layer's weights
   out of a stack split over pipeline stages are stage t's (pinned there)."""
   (a,) = ls
-  shape = op.operand_types[0].shape
-  start, limit, strides = (list(op.attrs[k]) for k in ("start_indices", "limit_indices", "strides"))
-  local = a.local_shape(shape, op.mesh)
-  if local is None:
+  frame = _slice_frame(op, a)
+  if frame is None:
     return
+  shape, local, start, limit, strides = frame
   dims, pins = list(a.dims), dict(a.at)
   for d, axes in enumerate(a.dims):
     if not axes:
