@@ -430,7 +430,7 @@ def _shard_map_case(model, strategy, cfg, variant, par, bug=None,
 def _gspmd_case(model, strategy, cfg) -> Case:
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
-  specs = _in_specs(model, strategy, cfg)
+  specs = _specs(model, strategy, cfg)
   seq_fn = _seq_fn(model, cfg)
   return Case(name=f"{model}/{strategy.name}/gspmd/ok", seq_fn=seq_fn,
               dist_fn=seq_fn, seq_args=_seq_args(model, cfg),
@@ -443,7 +443,7 @@ def _gspmd_case(model, strategy, cfg) -> Case:
 def _grad_case(model, strategy, cfg) -> Case:
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
-  specs = _in_specs(model, strategy, cfg)
+  specs = _specs(model, strategy, cfg)
   loss = _seq_fn(model, cfg)
   n_params = len(param_specs(model, cfg))
   vg = jax.value_and_grad(loss, argnums=tuple(range(2, 2 + n_params)))
@@ -472,6 +472,18 @@ def _fsdp_spec(shape) -> P:
       P(*([None] * len(shape)))
 
 
+def _fsdp_specs(model, cfg) -> tuple:
+  """Tokens over "dp"; every weight on its own leading dim (a layer stack's
+  rows whole) where |dp| divides it."""
+  return (FSDP.token_spec, FSDP.token_spec) + tuple(
+      P(None, *_fsdp_spec(s[1:])) if is_stacked(n) else _fsdp_spec(s)
+      for n, s in param_specs(model, cfg))
+
+
+def _specs(model, strategy, cfg) -> tuple:
+  return _fsdp_specs(model, cfg) if strategy is FSDP else _in_specs(model, strategy, cfg)
+
+
 def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=None,
                scan=False, grad=False) -> Case:
   """shard_map FSDP: gather each sharded weight (along ``gather_dim``: 0 is right;
@@ -486,9 +498,7 @@ def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=N
   mesh = _mesh(FSDP.mesh_shape, FSDP.axis_names)
   names = [n for n, _ in param_specs(model, cfg)]
   shapes = [s for _, s in param_specs(model, cfg)]
-  specs = (FSDP.token_spec, FSDP.token_spec) + tuple(
-      P(None, *_fsdp_spec(s[1:])) if is_stacked(n) else _fsdp_spec(s)
-      for n, s in zip(names, shapes))
+  specs = _fsdp_specs(model, cfg)
   layer_shapes = {base_name(n): s[1:] for n, s in zip(names, shapes) if is_stacked(n)}
   kind = ("scan_" if scan else "") + ("grad" if grad else "")
   label = _ident(model, "fsdp", kind or variant)
@@ -584,6 +594,10 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   for model in MODELS:
     for scan, grad in itertools.product((False, True), (False, True) if grad else (False,)):
       built.append(_fsdp_case(model, cfg, scan=scan, grad=grad))
+    # GSPMD: the sequential function with the FSDP shardings; XLA decides.
+    built.append(_gspmd_case(model, FSDP, cfg))
+    if grad:
+      built.append(_grad_case(model, FSDP, cfg))
   # The first matmul reading a weight gathered along the wrong dim (its rows
   # come out interleaved): GPT-2's one-hot embedding lookup.
   built.append(_fsdp_case("gpt2", cfg, "wrong_gather_dim", gather_dim=1,
