@@ -18,6 +18,9 @@ before anything is compared:
   x + 0                                   -> x
   broadcast(x) + broadcast(scalar), ints  -> broadcast(x + broadcast(scalar))
   select(p, true, false)                  -> p
+  transpose moving only unit dims         -> reshape
+  transpose(all_to_all(x, k -> k), p)     -> reshape(transpose(all_to_all(x, k -> c), p))
+  all_to_all(reshape(v), k -> c)          -> reshape(all_to_all(v, s -> c'))
   reduce over size-1 dims (identity init) -> reshape
 
 Each is an identity of the ops' semantics (tested in tests/test_canonicalize.py).
@@ -118,6 +121,17 @@ def _transpose_of_transpose(module, graph, op) -> Optional[ir.Value]:
   if perm == tuple(range(len(perm))):
     return x
   return _emit(module, graph, op, "transpose", [x], {"permutation": perm})
+
+
+def _transpose_of_unit_dims(module, graph, op) -> Optional[ir.Value]:
+  """A transpose that keeps the order of the non-unit dims moves no element."""
+  if op.name != "transpose":
+    return None
+  x = op.operands[0]
+  kept = [d for d in op.attrs["permutation"] if x.shape[d] != 1]
+  if kept != sorted(kept) or op.attrs["permutation"] == tuple(range(x.type.rank)):
+    return None
+  return _emit(module, graph, op, "reshape", [x], {})
 
 
 def _transpose_through_all_reduce(module, graph, op) -> Optional[ir.Value]:
@@ -243,6 +257,93 @@ def _select_of_true_false(module, graph, op) -> Optional[ir.Value]:
   return None
 
 
+def _a2a_group_size(op: ir.Op) -> Optional[int]:
+  n = op.attrs.get("split_count")
+  if not n:
+    groups = op.attrs.get("replica_groups")
+    n = len(groups[0]) if groups is not None and len(groups) and len(groups[0]) else None
+  return int(n) if n else None
+
+
+def _fresh(module, name: str, operands, attrs: dict, shape, dtype: str, location) -> ir.Op:
+  op = ir.Op(name, list(operands), attrs, [], location)
+  op.results = [module.new_value(ir.TensorType(tuple(shape), dtype), op, 0)]
+  return op
+
+
+def _all_to_all_rank_dim_moved(module, graph, op) -> Optional[ir.Value]:
+  """transpose(all_to_all(x, split k, concat k), p), one piece per rank along k
+  -> reshape(transpose(all_to_all(x, split k, concat c), p)), c = p[p.index(k)+1].
+
+  XLA's all-to-all splits and concatenates along one dim (HLO has no other
+  kind): y_g[k = r] is rank r's piece g, and the transpose after it puts r
+  right before dim c, where a reshape merges them.  Concatenating along c
+  instead (r major in c, k left with size 1) lays the elements out in the
+  same row-major order, so the reshape gives the same tensor; this is the
+  split != concat form the transfer rules read."""
+  if op.name != "transpose":
+    return None
+  a2a = op.operands[0].producer
+  if a2a is None or a2a.name != "all_to_all" or len(a2a.operands) != 1 or \
+      len(a2a.results) != 1:
+    return None
+  k = a2a.attrs.get("split_dimension")
+  n = _a2a_group_size(a2a)
+  x = a2a.operands[0]
+  if k is None or a2a.attrs.get("concat_dimension") != k or not n or x.shape[k] != n:
+    return None
+  perm = list(op.attrs["permutation"])
+  q = perm.index(k)
+  if q + 1 >= len(perm):
+    return None
+  c = perm[q + 1]
+  shape = list(x.shape)
+  shape[k], shape[c] = 1, shape[c] * n
+  moved = _fresh(module, "all_to_all", [x], {**a2a.attrs, "concat_dimension": c}, shape,
+                 x.type.dtype, a2a.location)
+  z = _simplified_and_placed(module, graph, moved)
+  tz = _fresh(module, "transpose", [z], {"permutation": tuple(perm)},
+              [z.shape[d] for d in perm], x.type.dtype, op.location)
+  return _emit(module, graph, op, "reshape", [_simplified_and_placed(module, graph, tz)], {})
+
+
+def _all_to_all_of_split_reshape(module, graph, op) -> Optional[ir.Value]:
+  """all_to_all(reshape(v), split k, concat c) -> reshape(all_to_all(v, s, c')),
+  when the reshape splits v's dim s into dims k.. of x with k the major one,
+  and c is v's dim c' unchanged: piece g along k is one contiguous block of
+  dim s, so splitting s itself moves the same elements in the same order."""
+  if op.name != "all_to_all" or len(op.operands) != 1 or len(op.results) != 1:
+    return None
+  k, c = op.attrs.get("split_dimension"), op.attrs.get("concat_dimension")
+  n = _a2a_group_size(op)
+  rs = op.operands[0].producer
+  if k is None or c is None or k == c or not n or rs is None or rs.name != "reshape":
+    return None
+  from graphguard_hlo.passes.lemmas import reshape_groups
+  v, x = rs.operands[0], op.operands[0]
+  groups = reshape_groups(v.shape, x.shape)
+  if groups is None:
+    return None
+  split = next(((gi, gj) for gi, gj in groups if k in gj), None)
+  concat = next(((gi, gj) for gi, gj in groups if c in gj), None)
+  if split is None or concat is None or split is concat:
+    return None
+  # Unit dims ride along in either group; they hold one index and move nothing.
+  big = lambda dims, shape: [d for d in dims if shape[d] != 1]
+  s_dims, k_dims = big(split[0], v.shape), big(split[1], x.shape)
+  c_dims, c_group = big(concat[0], v.shape), big(concat[1], x.shape)
+  if len(s_dims) != 1 or not k_dims or k_dims[0] != k or len(c_dims) != 1 or \
+      c_group != [c] or v.shape[s_dims[0]] % n:
+    return None
+  s_dim, c_dim = s_dims[0], c_dims[0]
+  shape = list(v.shape)
+  shape[s_dim], shape[c_dim] = shape[s_dim] // n, shape[c_dim] * n
+  inner = _fresh(module, "all_to_all", [v],
+                 {**op.attrs, "split_dimension": s_dim, "concat_dimension": c_dim},
+                 shape, v.type.dtype, op.location)
+  return _emit(module, graph, op, "reshape", [_simplified_and_placed(module, graph, inner)], {})
+
+
 _IDENTITY = {"sum": 0.0, "max": -float("inf"), "min": float("inf"), "mul": 1.0}
 
 
@@ -272,10 +373,11 @@ def _reduce_over_unit_dims(module, graph, op) -> Optional[ir.Value]:
 PATTERNS: tuple[Pattern, ...] = (
     _identity_shape_op, _reshape_inserting_units, _reshape_of_reshape,
     _reshape_of_unit_broadcast, _broadcast_of_broadcast, _transpose_of_transpose,
+    _transpose_of_unit_dims,
     _transpose_through_all_reduce,
     _broadcast_expanding_units,
     _iota_as_broadcast, _add_zero, _offset_before_broadcast, _select_of_true_false,
-    _reduce_over_unit_dims)
+    _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims)
 
 
 def _emit(module, graph, op, name, operands, attrs) -> ir.Value:
@@ -361,6 +463,10 @@ def canonical_local_op(name: str, attrs: dict, operand_types: list[ir.TensorType
     # Over local unit dims only (the caller has checked the init is the
     # identity): the per-device program was canonicalized to a reshape.
     name, attrs, operand_types = "reshape", {}, operand_types[:1]
+  if name == "transpose" and len(operand_types) == 1:
+    kept = [d for d in attrs["permutation"] if operand_types[0].shape[d] != 1]
+    if kept == sorted(kept):  # moves only unit dims: a reshape, as in the graphs
+      name, attrs = "reshape", {}
   if name in ("reshape", "broadcast_in_dim", "convert", "copy") and len(operand_types) == 1:
     src = operand_types[0]
     if src == result_type and (name != "broadcast_in_dim" or tuple(

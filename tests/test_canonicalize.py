@@ -237,3 +237,76 @@ def test_select_of_true_and_false_is_the_predicate(t, f, folds):
   canonicalize_graph(m, g)
   assert (g.results[0] is p) == folds
   np.testing.assert_array_equal(_run(g, [x, x.T])[0], before[0])
+
+
+# -- all-to-alls as XLA writes them (split dim = concat dim) ---------------------------
+
+def _run_ranks(g: ir.Graph, inputs, ranks: int):
+  from graphguard_hlo.interpret import Interpreter
+  env = Interpreter(ranks).run(g, inputs)
+  return [env[v.id] for v in g.results]
+
+
+def _a2a(m, g, x, split, concat, shape, groups=((0, 1, 2, 3),)):
+  return _op(m, g, "all_to_all", [x], _t(*shape), split_dimension=split,
+             concat_dimension=concat, replica_groups=groups, split_count=len(groups[0]))
+
+
+def _check_ranks(m, g, inputs, ranks=4):
+  before = _run_ranks(g, inputs, ranks)
+  assert canonicalize_graph(m, g) > 0
+  after = _run_ranks(g, inputs, ranks)
+  for a, b in zip(before, after):
+    for ra, rb in zip(a, b):
+      np.testing.assert_array_equal(ra, rb)
+  return [op for op in g.ops if op.name == "all_to_all"]
+
+
+@pytest.mark.parametrize("shape,k,perm,groups", [
+    ((2, 4, 3), 1, (1, 0, 2), ((0, 1, 2, 3),)),   # ranks' pieces land before dim 0
+    ((2, 4, 3), 1, (0, 1, 2), ((0, 1, 2, 3),)),   # ... before dim 2, no transpose
+    ((3, 2, 5), 1, (1, 2, 0), ((0, 1), (2, 3))),  # two groups of two
+])
+def test_all_to_all_within_one_dim_becomes_split_concat(shape, k, perm, groups):
+  """transpose(a2a(x, k -> k), p) = reshape(transpose(a2a(x, k -> c), p)), rank by rank."""
+  m, g = _graph([_t(*shape)])
+  y = _a2a(m, g, g.params[0], k, k, shape, groups)
+  g.results = [_op(m, g, "transpose", [y], _t(*[shape[d] for d in perm]), permutation=perm)]
+  rng = np.random.default_rng(0)
+  xs = [[rng.standard_normal(shape) for _ in range(4)]]
+  (a2a,) = _check_ranks(m, g, xs)
+  assert a2a.attrs["split_dimension"] == k and a2a.attrs["concat_dimension"] == perm[
+      perm.index(k) + 1]
+
+
+def test_all_to_all_of_a_split_reshape_runs_on_the_unsplit_value():
+  """XLA reshapes [1,4,32] to [1,4,4,8] and exchanges the 4: the same as
+  splitting the 32 into 4 pieces of 8 directly."""
+  m, g = _graph([_t(1, 4, 32)])
+  x = _op(m, g, "reshape", [g.params[0]], _t(1, 4, 4, 8))
+  g.results = [_a2a(m, g, x, 2, 1, (1, 16, 1, 8))]
+  rng = np.random.default_rng(1)
+  (a2a,) = _check_ranks(m, g, [[rng.standard_normal((1, 4, 32)) for _ in range(4)]])
+  assert a2a.operands[0] is g.params[0]
+  assert (a2a.attrs["split_dimension"], a2a.attrs["concat_dimension"]) == (2, 1)
+
+
+def test_all_to_all_of_a_minor_split_is_left_alone():
+  """The exchanged dim is the minor part of a split: its pieces are strided in
+  the unsplit value, so nothing may be rewritten."""
+  m, g = _graph([_t(3, 16)])
+  x = _op(m, g, "reshape", [g.params[0]], _t(3, 4, 4))
+  g.results = [_a2a(m, g, x, 2, 0, (12, 4, 1))]
+  assert canonicalize_graph(m, g) == 0
+
+
+@pytest.mark.parametrize("perm,folds", [((1, 0, 2), True), ((0, 2, 1), False)])
+def test_transpose_moving_only_unit_dims_is_a_reshape(perm, folds):
+  m, g = _graph([_t(1, 4, 3)])
+  g.results = [_op(m, g, "transpose", [g.params[0]], _t(*[(1, 4, 3)[d] for d in perm]),
+                   permutation=perm)]
+  x = np.arange(12.0).reshape(1, 4, 3)
+  before = _run(g, [x])
+  assert (canonicalize_graph(m, g) > 0) == folds
+  assert ([op.name for op in g.ops] == ["reshape"]) == folds
+  np.testing.assert_array_equal(_run(g, [x])[0], before[0])
