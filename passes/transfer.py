@@ -32,7 +32,7 @@ from graphguard_hlo.reference import COMPARISONS
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
-from graphguard_hlo.passes.unit_dims import only_unit_dims_change
+from graphguard_hlo.passes.unit_dims import lower_lifted, only_unit_dims_change, unit_dim_lifts
 
 
 def _flip_if_negative(l: Layout, c: float) -> Layout:
@@ -66,11 +66,40 @@ class Transfer:
     if rule is None or not op.results:
       return
     related = op.operands[1] if op.name == "dynamic_update_slice" else op.operands[0]
+    how = op.name.replace("_", "-")
     if op.name in self._DIMENSIONAL and tile_shape != related.shape:
+      if op.name in self._LIFTABLE and tile_shape is not None:
+        for new in self._lifted(op, cls, layout, tile_shape, related.shape, rule):
+          yield self.deg.of(op.results[0]), new, how
       return
     for new in rule(op, cls, layout) or ():
       if new is not None and new.is_valid():
-        yield self.deg.of(op.results[0]), new, op.name.replace("_", "-")
+        yield self.deg.of(op.results[0]), new, how
+
+  # Collectives keep the rank: run on a value that holds the tile with other
+  # unit dims, they are read over that value's dims and the result read back.
+  _LIFTABLE = {"all_gather", "reduce_scatter", "all_to_all"}
+
+  def _lifted(self, op, cls, layout: Layout, tile, held, rule) -> Iterator[Layout]:
+    """The rule on a value equal to the tile up to unit dims (unit_dims.py):
+    the relation read over the value's dims, the result's read back over the
+    tile's, kept only if the result again equals its tile up to unit dims."""
+    result = op.results[0].shape
+    whole = [n * math.prod(self.mesh.axis_size(a) for a in axes)
+             for n, axes in zip(tile, layout.dims)]
+    for where, lifted in unit_dim_lifts(layout, tile, held):
+      for new in rule(op, cls, lifted) or ():
+        if new is None or not new.is_valid():
+          continue
+        lowered = lower_lifted(new, where)
+        if lowered is None or not lowered.is_valid():
+          continue
+        local = lowered.local_shape(whole, self.mesh)
+        mapped = {j for j in where if j is not None}
+        if local is None or any(result[j] != 1 for j in range(len(result)) if j not in mapped) \
+            or any(local[i] != (1 if j is None else result[j]) for i, j in enumerate(where)):
+          continue
+        yield lowered
 
   # -- collectives -------------------------------------------------------------
   def _all_reduce(self, op, cls, l: Layout):

@@ -132,3 +132,44 @@ def _dot(attrs, operand_types, child_types, result_type):
   if squeeze(ir.TensorType(shape, "f32")).shape != squeeze(result_type).shape:
     return
   yield out, ir.TensorType(shape, result_type.dtype)
+
+
+def unit_dim_lifts(layout, tile: tuple[int, ...], held: tuple[int, ...]
+                   ) -> Iterator[tuple[tuple[Optional[int], ...], object]]:
+  """Ways to read a relation to a value ``held`` (the tile up to unit dims) as
+  one over ``held``'s own dims: (where each tile dim sits in ``held``, None for
+  a dropped unit dim no axis splits; the layout over ``held``'s dims).
+
+  Order-preserving only: the tile's non-unit dims go to equal dims of
+  ``held``, its split unit dims (one index per rank) to unit dims of
+  ``held``, in the same order, and every non-unit dim of ``held`` is taken.
+  The sequential tensor read this way only gains or loses unit dims."""
+  significant = [i for i in range(len(tile)) if tile[i] != 1 or layout.dims[i]]
+
+  def place(k: int, start: int):
+    if k == len(significant):
+      if all(held[j] == 1 for j in range(start, len(held))):
+        yield {}
+      return
+    i = significant[k]
+    for j in range(start, len(held)):
+      if held[j] == tile[i]:
+        for rest in place(k + 1, j + 1):
+          yield {i: j, **rest}
+      if held[j] != 1:
+        return  # a non-unit dim of ``held`` nobody takes
+
+  for where in place(0, 0):
+    dims = [()] * len(held)
+    for i, j in where.items():
+      dims[j] = layout.dims[i]
+    yield tuple(where.get(i) for i in range(len(tile))), layout.with_(dims=tuple(dims))
+
+
+def lower_lifted(layout, where: tuple[Optional[int], ...]):
+  """A layout over ``held``'s dims back over the tile's dims; None if it
+  splits a dim the tile does not have."""
+  mapped = {j for j in where if j is not None}
+  if any(axes for j, axes in enumerate(layout.dims) if j not in mapped):
+    return None
+  return layout.with_(dims=tuple(() if j is None else layout.dims[j] for j in where))

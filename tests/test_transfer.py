@@ -716,3 +716,78 @@ def test_unit_dim_reshape_keeps_the_relation():
   assert prog.transfer(op, Layout((("x",), ()))) == [Layout((("x",), ()))]
   op2 = prog.add("reshape", [prog.param], (2, 4))
   assert prog.transfer(op2, Layout((("x",), ()))) == []
+
+
+# -- collectives on a tile held with other unit dims ---------------------------------------
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_to_all"])
+def test_collective_on_a_tile_held_with_other_unit_dims(kind):
+  """XLA runs collectives on the tile with unit dims inserted or dropped (a
+  broadcast [4,32] -> [1,4,32] before an all-to-all).  The rules read the
+  relation over the held value's dims and the result's back over the tile's;
+  every layout they give must rebuild the sequential value from the results
+  reshaped to their tiles."""
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    tile = local(layout, shape, mesh)
+    held: list[int] = []
+    pos = {}  # tile dim -> where the held value keeps it
+    for d, n in enumerate(tile):
+      held += [1] * data.draw(st.integers(0, 1))
+      if n != 1 or data.draw(st.booleans()):
+        pos[d] = len(held)
+        held.append(n)
+    held += [1] * data.draw(st.integers(0, 1))
+    if not held or tuple(held) == tuple(tile):
+      return
+    prog = Program(mesh, held)
+    axes = draw_axes(data.draw, mesh, sorted(layout.used_axes()))
+    n = tiles(mesh, axes)
+    out = list(held)
+    if kind == "all_gather":
+      k = data.draw(st.integers(0, len(held) - 1))
+      out[k] *= n
+      attrs = {"gg.axes": axes, "all_gather_dimension": k}
+    elif kind == "reduce_scatter":
+      k = data.draw(st.integers(0, len(held) - 1))
+      if held[k] % n:
+        return
+      out[k] //= n
+      attrs = {"gg.axes": axes, "scatter_dimension": k, "gg.reduction": "sum"}
+    else:
+      i, j = (data.draw(st.integers(0, len(held) - 1)) for _ in range(2))
+      tiled = [d for d in pos if layout.dims[d]]
+      if tiled and data.draw(st.integers(0, 3)):  # mostly: exchange a tiled dim's minor axes
+        d = data.draw(st.sampled_from(tiled))
+        axes = layout.dims[d][data.draw(st.integers(0, len(layout.dims[d]) - 1)):]
+        n, j = tiles(mesh, axes), pos[d]
+      if i == j or held[i] % n:
+        return
+      out[i] //= n
+      out[j] *= n
+      attrs = {"gg.axes": axes, "split_dimension": i, "concat_dimension": j}
+    op = prog.add(kind, [prog.param], out, attrs=attrs)
+    prog.graph.results = [op.result]
+    deg = DistEGraph(prog.graph)
+    rules = Transfer(deg, RankArithmetic(mesh), mesh, prog.graph)
+    news = [new for _, new, _ in rules.apply(op, deg.of(prog.param), layout, tuple(tile))]
+    hits.add(news)
+    if not news:
+      return
+    value = values(shape, seed)
+    rng = np.random.default_rng(seed)
+    x_at = spread_extrema(layout, mesh, shard(layout, mesh, value, rng), rng)
+    y_at = prog.run({c: x.reshape(held) for c, x in x_at.items()})[op.result.id]
+    for new in news:
+      new_tile = new.local_shape(value.shape, mesh)
+      what = f"{kind} {attrs} on {held} holding {tile}: {layout} -> {new}, mesh {mesh.axes}"
+      assert [d for d in new_tile if d != 1] == [d for d in out if d != 1], what
+      got = assemble(new, mesh, {c: y.reshape(new_tile) for c, y in y_at.items()})
+      np.testing.assert_allclose(got, value, rtol=1e-6, atol=1e-8, err_msg=what)
+
+  check()
+  hits.check(0.05)
