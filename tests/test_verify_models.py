@@ -16,22 +16,14 @@ _RESIDUALS_DIFFER = (
     "the sequential scan stacks a tp-split projection per layer, the per-device scan "
     "(with the cp all-gathers in its body) stacks layernorm's centred input instead, so "
     "one stacked residual has no per-device counterpart")
-_RESHARD_BY_ALL_TO_ALL = (
-    "XLA moves wpe's split from rows to columns by reshaping [4,32] to [1,4,4,8], an "
-    "all-to-all with split dim = concat dim, and a transpose: the all-to-all rule only "
-    "reads split != concat on the tile's own dims")
 KNOWN_UNPROVED: dict[str, str] = {
     "gpt2/dp_tp_cp_scan_grad/shard_map/ok": _RESIDUALS_DIFFER,
     "llama3/dp_tp_cp_scan_grad/shard_map/ok": _RESIDUALS_DIFFER,
     "llama3/sp_grad/gspmd/ok": (
         "the backward of the kv projections with each kv head split over 2 of 4 ranks: "
-        "dv and wv relate tile by tile, but XLA computes dv @ wv^T in a form no lemma "
-        "reaches (not diagnosed further)"),
-    "gpt2/fsdp/gspmd/ok": _RESHARD_BY_ALL_TO_ALL,
-    "gpt2/fsdp_grad/gspmd/ok": _RESHARD_BY_ALL_TO_ALL,
-    "llama3/ep_grad/gspmd/ok": (
-        "XLA all-to-alls the router logits' cotangent in a unit-dim-broadcast form of the "
-        "tile, and the all-to-all transfer rule needs the tile's exact shape"),
+        "the diagnosis names a collective-permute moving both mesh axes' coordinates at "
+        "once (pairs (1, 2), (2, 1)), which no single-axis permutation describes, next to "
+        "the dot that gets no relation"),
 }
 
 
