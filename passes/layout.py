@@ -58,7 +58,8 @@ class Layout:
 
   def __post_init__(self):
     object.__setattr__(self, "partial", tuple(sorted(self.partial)))
-    object.__setattr__(self, "at", tuple(sorted(self.at)))
+    if len(self.at) > 1 or not isinstance(self.at, tuple):
+      object.__setattr__(self, "at", tuple(sorted(self.at)))
     if not self.partial:
       object.__setattr__(self, "partial_kind", "sum")
 
