@@ -123,13 +123,19 @@ def _transpose_of_transpose(module, graph, op) -> Optional[ir.Value]:
   return _emit(module, graph, op, "transpose", [x], {"permutation": perm})
 
 
+def moves_only_unit_dims(perm, shape) -> bool:
+  """Does a transpose by ``perm`` keep the order of the non-unit dims (move no element)?"""
+  kept = [d for d in perm if shape[d] != 1]
+  return kept == sorted(kept)
+
+
 def _transpose_of_unit_dims(module, graph, op) -> Optional[ir.Value]:
   """A transpose that keeps the order of the non-unit dims moves no element."""
   if op.name != "transpose":
     return None
   x = op.operands[0]
-  kept = [d for d in op.attrs["permutation"] if x.shape[d] != 1]
-  if kept != sorted(kept) or op.attrs["permutation"] == tuple(range(x.type.rank)):
+  perm = op.attrs["permutation"]
+  if not moves_only_unit_dims(perm, x.shape) or tuple(perm) == tuple(range(x.type.rank)):
     return None
   return _emit(module, graph, op, "reshape", [x], {})
 
@@ -235,12 +241,10 @@ def _offset_before_broadcast(module, graph, op) -> Optional[ir.Value]:
         bp.operands[0].type.rank == 0:
       continue
     x = bp.operands[0]
-    spread = ir.Op("broadcast_in_dim", [cp.operands[0]], {"broadcast_dimensions": ()}, [],
-                   op.location)
-    spread.results = [module.new_value(x.type, spread, 0)]
+    spread = _fresh(module, "broadcast_in_dim", [cp.operands[0]], {"broadcast_dimensions": ()},
+                    x.shape, x.type.dtype, op.location)
     offset = _simplified_and_placed(module, graph, spread)
-    added = ir.Op("add", [x, offset], {}, [], op.location)
-    added.results = [module.new_value(x.type, added, 0)]
+    added = _fresh(module, "add", [x, offset], {}, x.shape, x.type.dtype, op.location)
     moved = _simplified_and_placed(module, graph, added)
     return _emit(module, graph, op, "broadcast_in_dim", [moved], dict(bp.attrs))
   return None
@@ -463,10 +467,9 @@ def canonical_local_op(name: str, attrs: dict, operand_types: list[ir.TensorType
     # Over local unit dims only (the caller has checked the init is the
     # identity): the per-device program was canonicalized to a reshape.
     name, attrs, operand_types = "reshape", {}, operand_types[:1]
-  if name == "transpose" and len(operand_types) == 1:
-    kept = [d for d in attrs["permutation"] if operand_types[0].shape[d] != 1]
-    if kept == sorted(kept):  # moves only unit dims: a reshape, as in the graphs
-      name, attrs = "reshape", {}
+  if name == "transpose" and len(operand_types) == 1 and moves_only_unit_dims(
+      attrs["permutation"], operand_types[0].shape):
+    name, attrs = "reshape", {}  # as _transpose_of_unit_dims spells it in the graphs
   if name in ("reshape", "broadcast_in_dim", "convert", "copy") and len(operand_types) == 1:
     src = operand_types[0]
     if src == result_type and (name != "broadcast_in_dim" or tuple(

@@ -143,10 +143,10 @@ def _iota_words(inf, op: ir.Op) -> Optional[str]:
   missing: if the devices run iotas of a tile's length, they count from 0."""
   iotas = [op] if op.name == "iota" else [v.producer for v in op.operands
                                           if v.producer is not None and v.producer.name == "iota"]
+  offset = {id(v.producer) for add in inf.transfer.iota_adds for v in add.operands}
   for seq_iota in iotas:
     t = seq_iota.results[0].type
     n_seq = t.shape[seq_iota.attrs["iota_dimension"]]
-    offset = {id(v.producer) for add in inf.transfer.iota_adds for v in add.operands}
     for d_op in inf.dist.graph.walk():
       if d_op.name != "iota" or id(d_op) in offset or d_op.results[0].type.dtype != t.dtype:
         continue

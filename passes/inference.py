@@ -270,7 +270,7 @@ class RelationInference:
       for cls, layout in self.transfer.offset_iotas(op.results[0].type, op.attrs):
         self.add_relation(op.results[0], Relation(cls, layout, "iota-plus-rank-offset"))
     for combo in self._operand_combinations(op):
-      pins = merged_pins([l for _, l in combo])
+      pins = merged_pins(*(l.at for _, l in combo))
       if pins is None:
         continue  # operands known at different ranks: nothing in common
       layouts = [l.with_(at=()) if l.at else l for _, l in combo]
@@ -280,7 +280,7 @@ class RelationInference:
           if pins:
             # A local op computes the same at every rank: what its operands
             # are at the pinned ranks, its result is there (layout.py).
-            both = merged_pins([step.layout, Layout((), at=pins)])
+            both = merged_pins(step.layout.at, pins)
             if both is None or not step.layout.with_(at=both).is_valid():
               continue
             step = dataclasses.replace(step, layout=step.layout.with_(at=both))
@@ -474,12 +474,12 @@ class RelationInference:
     return Result("refines", outputs, None, self._stats(processed))
 
 
-def merged_pins(layouts) -> Optional[tuple[tuple[str, int], ...]]:
-  """The ranks every operand's relation speaks of, as pins; None if they
-  pin one axis to two coordinates (no rank holds both)."""
+def merged_pins(*pin_sets) -> Optional[tuple[tuple[str, int], ...]]:
+  """The ranks all the relations with these pins speak of, as pins; None if
+  they pin one axis to two coordinates (no rank holds both)."""
   pins: dict[str, int] = {}
-  for l in layouts:
-    for a, c in l.at:
+  for pin_set in pin_sets:
+    for a, c in pin_set:
       if pins.setdefault(a, c) != c:
         return None
   return tuple(sorted(pins.items()))
