@@ -356,6 +356,23 @@ def test_all_to_all():
   hits.check()
 
 
+def _off_axis(layout: Layout, axis: str) -> Layout:
+  """``layout`` with ``axis`` neither tiling a dim nor partial."""
+  return Layout(tuple(tuple(a for a in axes if a != axis) for axes in layout.dims),
+                tuple(a for a in layout.partial if a != axis), layout.partial_kind,
+                layout.scale, layout.at)
+
+
+def draw_axis_and_layout(data, mesh: ir.Mesh, layout: Layout, pin) -> tuple[str, Layout]:
+  """A mesh axis and ``layout`` off it, pinned to one of its coordinates
+  (``pin`` True), never, or as drawn (``pin`` None)."""
+  axis = data.draw(st.sampled_from(list(mesh.axis_names)))
+  layout = _off_axis(layout, axis)
+  if pin or (pin is None and data.draw(st.booleans())):
+    layout = layout.with_(at=((axis, data.draw(st.integers(0, mesh.axis_size(axis) - 1))),))
+  return axis, layout
+
+
 def permute_attrs(axis: str, pairs) -> dict:
   """Canonical attrs, as ``collectives.canonicalize_collectives`` writes them
   (``sharding.axes_of_pairs`` drops pairs that stay in place); the raw pairs
@@ -374,9 +391,7 @@ def test_collective_permute():
     big = [a for a, n in mesh.axes if n > 1]
     axis = data.draw(st.sampled_from(big or list(mesh.axis_names)))
     if data.draw(st.integers(0, 3)):  # mostly permute along an axis x is replicated on
-      layout = Layout(tuple(tuple(a for a in axes if a != axis) for axes in layout.dims),
-                      tuple(a for a in layout.partial if a != axis), layout.partial_kind,
-                      layout.scale)
+      layout = _off_axis(layout, axis)
     n = mesh.axis_size(axis)
     how = data.draw(st.sampled_from(["shift", "shift", "shift", "any", "some"]))
     if how == "shift":  # what ppermute rings do
@@ -395,13 +410,6 @@ def test_collective_permute():
   hits.check()
 
 
-def _off_axis(layout: Layout, axis: str) -> Layout:
-  """``layout`` with ``axis`` neither tiling a dim nor partial."""
-  return Layout(tuple(tuple(a for a in axes if a != axis) for axes in layout.dims),
-                tuple(a for a in layout.partial if a != axis), layout.partial_kind,
-                layout.scale, layout.at)
-
-
 def test_collective_permute_moves_a_pinned_value():
   """A value pinned at coordinate c (a pipeline stage's activations) is
   pinned at its receiver after the permute, and nowhere if c sends nothing."""
@@ -411,9 +419,8 @@ def test_collective_permute_moves_a_pinned_value():
   @given(setups(min_rank=0), st.data())
   def check(setup, data):
     mesh, layout, shape, seed = setup
-    axis = data.draw(st.sampled_from(list(mesh.axis_names)))
+    axis, layout = draw_axis_and_layout(data, mesh, layout, pin=True)
     n = mesh.axis_size(axis)
-    layout = _off_axis(layout, axis).with_(at=((axis, data.draw(st.integers(0, n - 1))),))
     pairs = list(enumerate(data.draw(st.permutations(range(n)))))
     if data.draw(st.booleans()):
       pairs = pairs[:data.draw(st.integers(0, n))]  # a pipeline's open end
@@ -441,11 +448,8 @@ def test_select_on_a_mesh_coordinate(other):
   @given(setups(min_rank=0), st.data())
   def check(setup, data):
     mesh, layout, shape, seed = setup
-    axis = data.draw(st.sampled_from(list(mesh.axis_names)))
+    axis, layout = draw_axis_and_layout(data, mesh, layout, pin=None)
     n = mesh.axis_size(axis)
-    layout = _off_axis(layout, axis)
-    if data.draw(st.booleans()):
-      layout = layout.with_(at=((axis, data.draw(st.integers(0, n - 1))),))
     lshape = local(layout, shape, mesh)
     prog = Program(mesh, lshape)
     c = prog.const(data.draw(st.integers(0, n - 1)), "i32")
