@@ -440,18 +440,25 @@ def _gspmd_case(model, strategy, cfg) -> Case:
               in_shardings=tuple(NamedSharding(mesh, s) for s in specs))
 
 
+def _loss_and_grads(fn, n_params: int) -> Callable:
+  """``value_and_grad`` of ``fn(tokens, labels, *params)`` in every parameter."""
+  return jax.value_and_grad(fn, argnums=tuple(range(2, 2 + n_params)))
+
+
+def _named(fn, name: str) -> Callable:
+  """``fn`` as a plain function called ``name`` (the lowered module's name)."""
+  def named(*args):
+    return fn(*args)
+  named.__name__ = named.__qualname__ = name
+  return named
+
+
 def _grad_case(model, strategy, cfg) -> Case:
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _specs(model, strategy, cfg)
-  loss = _seq_fn(model, cfg)
-  n_params = len(param_specs(model, cfg))
-  vg = jax.value_and_grad(loss, argnums=tuple(range(2, 2 + n_params)))
-
-  def seq_fn(tokens, labels, *params):
-    return vg(tokens, labels, *params)
-
-  seq_fn.__name__ = seq_fn.__qualname__ = _ident(model, strategy.name, "grad")
+  seq_fn = _named(_loss_and_grads(_seq_fn(model, cfg), len(param_specs(model, cfg))),
+                  _ident(model, strategy.name, "grad"))
   shard = lambda s: NamedSharding(mesh, s)
   return Case(name=f"{model}/{strategy.name}_grad/gspmd/ok", seq_fn=seq_fn,
               dist_fn=seq_fn, seq_args=_seq_args(model, cfg),
@@ -518,13 +525,10 @@ def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=N
     return local(tokens, labels, *[p if is_stacked(n) else gather(p, s)
                                    for p, n, s in zip(params, names, shapes)])
   body.__name__ = body.__qualname__ = label
-  argnums = tuple(range(2, 2 + len(names)))
   seq_fn, out_specs = _seq_fn(model, cfg), P()
   if grad:
-    vg_seq = jax.value_and_grad(seq_fn, argnums=argnums)
-    seq_fn = lambda tokens, labels, *params: vg_seq(tokens, labels, *params)
-    seq_fn.__name__ = seq_fn.__qualname__ = _ident(model, "fsdp", kind, "seq")
-    body = jax.value_and_grad(body, argnums=argnums)
+    seq_fn = _named(_loss_and_grads(seq_fn, len(names)), _ident(model, "fsdp", kind, "seq"))
+    body = _loss_and_grads(body, len(names))
     out_specs = (P(), tuple(specs[2:]))
   dist_fn = shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)
   strategy = "fsdp" + ("_scan" if scan else "") + ("_grad" if grad else "")
@@ -548,19 +552,15 @@ def _shard_map_grad_case(model, strategy, cfg, variant="ok", check_vma=True, bug
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _in_specs(model, strategy, cfg)
   n_params = len(param_specs(model, cfg))
-  argnums = tuple(range(2, 2 + n_params))
-  vg_seq = jax.value_and_grad(_seq_fn(model, cfg), argnums=argnums)
+  vg_seq = _loss_and_grads(_seq_fn(model, cfg), n_params)
   local = loss_fn(model, cfg, strategy.par(), name=_ident(model, strategy.name, "grad"))
-  vg_local = jax.value_and_grad(local, argnums=argnums)
+  vg_local = _loss_and_grads(local, n_params)
 
   if sgd_step:
     vg_seq, vg_local = _sgd(vg_seq), _sgd(vg_local)
 
-  def seq_fn(tokens, labels, *params):
-    return vg_seq(tokens, labels, *params)
-
   kind = "sgd" if sgd_step else "grad"
-  seq_fn.__name__ = seq_fn.__qualname__ = _ident(model, strategy.name, f"{kind}_seq")
+  seq_fn = _named(vg_seq, _ident(model, strategy.name, f"{kind}_seq"))
   dist_fn = shard_map(vg_local, mesh=mesh, in_specs=specs, out_specs=(P(), tuple(specs[2:])),
                       check_vma=check_vma)
   return Case(name=f"{model}/{strategy.name}_{kind}/shard_map/{variant}", seq_fn=seq_fn,
