@@ -145,6 +145,21 @@ class Graph:
         yield from region.walk()
 
 
+ROTATION_SEP = "+"
+
+
+def axis_base(name: str) -> str:
+  """The mesh axis under a rotated axis name: ``cp+1`` -> ``cp``."""
+  base, sep, shift = name.rpartition(ROTATION_SEP)
+  return base if sep and shift.isdigit() else name
+
+
+def axis_shift(name: str) -> int:
+  """How far a rotated axis name turns its axis: ``cp+1`` -> 1, ``cp`` -> 0."""
+  base, sep, shift = name.rpartition(ROTATION_SEP)
+  return int(shift) if sep and shift.isdigit() else 0
+
+
 @dataclasses.dataclass
 class Mesh:
   """A named device mesh: axes major to minor and the device id at each coordinate."""
@@ -160,7 +175,9 @@ class Mesh:
     return tuple(n for n, _ in self.axes)
 
   def axis_size(self, name: str) -> int:
-    return dict(self.axes)[name]
+    """Size of a mesh axis; a rotated axis (``cp+1``, see passes/layout.py) has
+    its base axis' size."""
+    return dict(self.axes)[axis_base(name)]
 
   def devices(self) -> np.ndarray:
     ids = np.arange(self.size) if self.device_ids is None else np.array(self.device_ids)

@@ -153,6 +153,8 @@ class RelationInference:
         return
       known.append(r)
       work.extend(self._transferred(r, r.layout.local_shape(s.shape, self.mesh)))
+      if self.transfer.ring_writes_by_class:
+        work.extend(self._ring_unions(s, r))
 
   def _transferred(self, r: Relation, tile) -> list[Relation]:
     """The relations the per-device program's data movement makes of ``r``.
@@ -170,6 +172,29 @@ class RelationInference:
           for cls, layout, how in self.transfer.apply(op, r.cls, r.layout, tile)))
       self._transfer_memo[key] = found
     return found
+
+  def _ring_unions(self, s: ir.Value, r: Relation) -> list[Relation]:
+    """A ring writing tiles of ``s`` into a buffer: the buffer's known tiles
+    and the written one, once both are related to ``s`` (transfer.fill_union)."""
+    out = []
+    for op in self.transfer.ring_writes_by_class.get(r.cls, ()):
+      base, update = (self.deg.of(v) for v in op.operands[:2])
+      for other in self.relations.get(s.id, ()):
+        if r.cls == base and other.cls == update:
+          pair = (r.layout, other.layout)
+        elif r.cls == update and other.cls == base:
+          pair = (other.layout, r.layout)
+        else:
+          continue
+        union = self.transfer.fill_union(op, *pair)
+        if union is not None:
+          out.append(Relation(self.deg.of(op.results[0]), union, "ring-buffer-fill"))
+    return out
+
+  def plain_relations(self, s: ir.Value) -> list[Relation]:
+    """The relations lemmas, loops and outputs may read (layout.py: not
+    rotated, not partly known)."""
+    return [r for r in self.relations.get(s.id, ()) if r.layout.is_plain()]
 
   def describe(self, s: ir.Value) -> list[str]:
     if s.id in self.splats:
@@ -201,7 +226,7 @@ class RelationInference:
       if self.on_progress is not None:
         self.on_progress(self.processed)
       unrelated = [r for r in op.results if r.id not in self.splats
-                   and not self.relations.get(r.id)]
+                   and not self.plain_relations(r)]
       if unrelated and op.name == "while" and self.loop_failure is not None:
         return self.loop_failure
       if unrelated:
@@ -388,7 +413,7 @@ class RelationInference:
       if v.id in self.splats:
         choices.append([("splat", None)])
       else:
-        rels = self.relations.get(v.id, [])
+        rels = self.plain_relations(v)
         if not rels:
           return
         choices.append([(r, r.layout) for r in rels])
@@ -463,7 +488,7 @@ class RelationInference:
                                            ir.TensorType(local, s.type.dtype)) == target:
           outputs.append(OutputRelation(i, f"constant {self.splats[s.id]:g}", declared))
           continue
-      ok = [r for r in self.relations.get(s.id, []) if r.cls == target and r.layout.is_clean()
+      ok = [r for r in self.plain_relations(s) if r.cls == target and r.layout.is_clean()
             and not r.layout.partial and not r.layout.at
             and (declared is None or r.layout == declared)]
       if not ok:

@@ -23,6 +23,20 @@ axis in ``at`` is in neither ``dims`` nor ``partial``.  A local op of pinned
 operands is pinned alike; a collective-permute moves the pin; a select on
 ``r_pp == 2`` against zeros makes it a partial sum over "pp" (the value at
 stage 2, zeros elsewhere, summed by the all-reduce that follows).
+
+A ring of collective-permutes turns tiles: after ``t`` steps of ``r -> r + 1``
+along "cp" rank ``r`` holds tile ``r - t``.  A *rotated axis* names that,
+``cp+3`` (on 4 ranks): its coordinate at rank ``r`` is ``(r_cp + 3) mod 4``.
+It may tile a dim like any axis; it is never partial or pinned, and no other
+form of its base axis may tile the same dim.
+
+``filled = (k, x, shifts)`` says a dim is only partly known: dim ``k`` is held
+whole, but only its tiles ``(r_x + j) mod |x|`` for ``j`` in ``shifts`` (in
+tiles of ``|x|``) are the sequential ones; the rest is anything.  That is what
+a ring writing the tiles it receives into a buffer has after some steps; with
+every shift it is the plain layout.  Rotated and filled layouts are *not
+plain*: only the transfer rules that build them read them (``transfer.py``),
+lemmas and outputs never do.
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from graphguard_hlo.ir import Mesh
+from graphguard_hlo.ir import Mesh, axis_base, axis_shift
 
 Axes = tuple[str, ...]
 SCALE_RTOL = 1e-5  # float constants: 1/sqrt(d) in f32 vs an exact rational
@@ -51,6 +65,7 @@ class Layout:
   partial_kind: str = "sum"   # "sum" | "max" | "min": how partial axes combine
   scale: float = 1.0
   at: tuple[tuple[str, int], ...] = ()  # sorted (axis, coordinate) pins
+  filled: tuple = ()          # () or (dim, axis, sorted shifts): tiles known
 
   @staticmethod
   def replicated(rank: int) -> "Layout":
@@ -69,7 +84,8 @@ class Layout:
     return len(self.dims)
 
   def split_axes(self) -> set[str]:
-    return {a for d in self.dims for a in d}
+    """The mesh axes tiling some dim (rotated ones by their base)."""
+    return {axis_base(a) for d in self.dims for a in d}
 
   def used_axes(self) -> set[str]:
     return self.split_axes() | set(self.partial)
@@ -82,8 +98,28 @@ class Layout:
     return all(coord[a] == c for a, c in self.at)
 
   def is_valid(self) -> bool:
-    axes = [a for d in self.dims for a in d] + list(self.partial) + [a for a, _ in self.at]
-    return len(axes) == len(set(axes))
+    tiling = [a for d in self.dims for a in d]
+    others = list(self.partial) + [a for a, _ in self.at]
+    if any(axis_shift(a) or axis_base(a) != a for a in others):
+      return False  # rotations only tile
+    if self.filled:
+      k, axis, _ = self.filled
+      if self.dims[k] or axis_shift(axis):
+        return False
+      others.append(axis)  # the tiles it speaks of are along this axis
+    if any(len({axis_base(a) for a in d}) != len(d) for d in self.dims):
+      return False
+    if len(tiling) != len(set(tiling)):
+      return False
+    # A base axis may tile several dims at different rotations (the diagonal
+    # blocks a ring visits); partial and pinned axes are used nowhere else.
+    bases = {axis_base(a) for a in tiling}
+    return len(others) == len(set(others)) and not bases & set(others)
+
+  def is_plain(self) -> bool:
+    """No rotated axis and no partly known dim: what lemmas and outputs read."""
+    return not self.filled and not any(
+        axis_shift(a) or axis_base(a) != a for d in self.dims for a in d)
 
   def is_clean(self) -> bool:
     return scales_equal(self.scale, 1.0)
@@ -119,6 +155,9 @@ class Layout:
       expr = f"replica({expr})"
     if self.at:
       expr = f"at[{','.join(f'{a}={c}' for a, c in self.at)}]({expr})"
+    if self.filled:
+      k, axis, shifts = self.filled
+      expr = f"known[dim{k}: tiles {axis}+{{{','.join(map(str, shifts))}}}]({expr})"
     if not self.is_clean():
       expr = f"{self.scale:g} * {expr}"
     return expr
@@ -154,12 +193,35 @@ def tilings_with_local_shape(global_shape: tuple[int, ...], local_shape: tuple[i
   return out
 
 
+def tile_coordinate(axis: str, r: dict[str, int], mesh: Mesh) -> int:
+  """Rank ``r``'s coordinate on a (possibly rotated) axis."""
+  return (r[axis_base(axis)] + axis_shift(axis)) % mesh.axis_size(axis)
+
+
+def tile_index(axes: Axes, r: dict[str, int], mesh: Mesh) -> int:
+  """The mixed-radix tile number ``axes`` give rank ``r`` (major to minor)."""
+  idx = 0
+  for a in axes:
+    idx = idx * mesh.axis_size(a) + tile_coordinate(a, r, mesh)
+  return idx
+
+
+def known_tiles(layout: Layout, r: dict[str, int], mesh: Mesh) -> Optional[tuple[int, set[int], int]]:
+  """For a partly known layout: (dim, the tile numbers rank r knows, tiles in the dim)."""
+  if not layout.filled:
+    return None
+  k, axis, shifts = layout.filled
+  n = mesh.axis_size(axis)
+  return k, {(r[axis] + j) % n for j in shifts}, n
+
+
 def assemble(layout: Layout, mesh: Mesh, local_at: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
   """The sequential tensor a layout says the per-rank values ``local_at`` stand for.
 
   ``local_at`` maps every mesh coordinate (a tuple, one entry per mesh axis) to
   that rank's value.  Checks the replicated and partial claims along the way
-  and raises ``AssertionError`` if the ranks disagree.
+  and raises ``AssertionError`` if the ranks disagree.  Of a partly known
+  layout (``filled``) only the known tiles are rebuilt; the rest is NaN.
   """
   names = mesh.axis_names
   sizes = dict(mesh.axes)
@@ -181,18 +243,20 @@ def assemble(layout: Layout, mesh: Mesh, local_at: dict[tuple[int, ...], np.ndar
       else:
         total = np.minimum(total, v)
     total = layout.scale * total
-    tile_idx = []
-    for axes in layout.dims:
-      idx = 0
-      for a in axes:
-        idx = idx * sizes[a] + r[a]
-      tile_idx.append(idx)
-    key = tuple(tile_idx)
+    known = known_tiles(layout, r, mesh)
+    if known is not None:
+      k, which, n = known
+      pieces = np.split(total, n, axis=k)
+      total = np.concatenate([p if j in which else np.full_like(p, np.nan)
+                              for j, p in enumerate(pieces)], axis=k)
+    key = tuple(tile_index(axes, r, mesh) for axes in layout.dims)
     if key in tiles:
-      np.testing.assert_allclose(tiles[key], total, rtol=1e-6, atol=1e-6)
+      both = ~np.isnan(tiles[key]) & ~np.isnan(total)
+      np.testing.assert_allclose(tiles[key][both], total[both], rtol=1e-6, atol=1e-6)
+      tiles[key] = np.where(np.isnan(tiles[key]), total, tiles[key])
     else:
       tiles[key] = total
-  counts = [math.prod(sizes[a] for a in axes) for axes in layout.dims]
+  counts = [math.prod(mesh.axis_size(a) for a in axes) for axes in layout.dims]
   blocks = np.empty(counts, dtype=object)
   for key, tile in tiles.items():
     blocks[key] = tile
@@ -201,7 +265,8 @@ def assemble(layout: Layout, mesh: Mesh, local_at: dict[tuple[int, ...], np.ndar
 
 def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generator | None = None
           ) -> dict[tuple[int, ...], np.ndarray]:
-  """Per-rank values that ``assemble`` turns back into ``value`` (random partial splits)."""
+  """Per-rank values that ``assemble`` turns back into ``value`` (random partial
+  splits; random where a partly known layout knows nothing)."""
   names = mesh.axis_names
   sizes = dict(mesh.axes)
   out = {}
@@ -214,11 +279,9 @@ def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generato
     r = dict(zip(names, coord))
     index = []
     for dim, axes in enumerate(layout.dims):
-      n = math.prod(sizes[a] for a in axes)
+      n = math.prod(mesh.axis_size(a) for a in axes)
       size = value.shape[dim] // n
-      idx = 0
-      for a in axes:
-        idx = idx * sizes[a] + r[a]
+      idx = tile_index(axes, r, mesh)
       index.append(slice(idx * size, (idx + 1) * size))
     tile = np.asarray(value, dtype=np.float64)[tuple(index)] / layout.scale
     if not layout.holds_at(r):
@@ -235,7 +298,13 @@ def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generato
     pidx = 0
     for a in layout.partial:
       pidx = pidx * sizes[a] + r[a]
-    out[coord] = pieces[key][pidx]
+    held = pieces[key][pidx]
+    known = known_tiles(layout, r, mesh)
+    if known is not None:
+      k, which, n = known
+      held = np.concatenate([p if j in which else rng.standard_normal(p.shape)
+                             for j, p in enumerate(np.split(held, n, axis=k))], axis=k)
+    out[coord] = held
   return out
 
 
@@ -256,7 +325,7 @@ def spread_extrema(layout: Layout, mesh: Mesh, local_at: dict, rng) -> dict:
   out = {}
   for coord, v in local_at.items():
     r = dict(zip(mesh.axis_names, coord))
-    tile = tuple(r[a] for axes in layout.dims for a in axes)
+    tile = tuple(tile_coordinate(a, r, mesh) for axes in layout.dims for a in axes)
     piece = 0
     for a in layout.partial:
       piece = piece * sizes[a] + r[a]

@@ -88,7 +88,7 @@ def _candidate_matches(inf, op: ir.Op, loop: ir.Op) -> list[CarryMatch] | int:
           options.extend(CarryMatch(k, j, layout) for layout in tilings_with_local_shape(
               s.shape, d.shape, inf.mesh))
     else:
-      for r in inf.relations.get(s.id, []):
+      for r in inf.plain_relations(s):
         options.extend(CarryMatch(k, j, r.layout) for j, c in enumerate(classes) if c == r.cls)
     if not options:
       return k

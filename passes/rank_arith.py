@@ -16,6 +16,7 @@ import numpy as np
 import sympy
 
 from graphguard_hlo import ir
+from graphguard_hlo.reference import COMPARISONS
 
 
 def rank_symbol(axis: str) -> sympy.Symbol:
@@ -52,6 +53,28 @@ class RankArithmetic:
       result = self._fitted(v)
     self._memo[v.id] = result
     return result
+
+  def rotated_tile(self, v: ir.Value, size: int) -> Optional[tuple[str, int]]:
+    """(x, j) if the integer scalar ``v`` is ``size * ((r_x + j) mod |x|)`` on
+    every partition: the offset of tile ``r_x + j``, where a ring that moved
+    tiles ``-j`` steps writes what it received."""
+    if math.prod(v.shape) != 1 or not v.type.dtype.startswith(("i", "ui")):
+      return None
+    try:
+      self.partition_id()  # coordinates below assume iota device order
+    except NotImplementedError:
+      return None
+    table = partition_id_table(v, self.mesh.size)
+    if table is None:
+      return None
+    coords = np.indices([n for _, n in self.mesh.axes]).reshape(len(self.mesh.axes), -1)
+    for (name, n), coord in zip(self.mesh.axes, coords):
+      if n == 1:
+        continue
+      for j in range(n):
+        if np.array_equal(table, size * ((coord + j) % n)):
+          return name, j
+    return None
 
   def _fitted(self, v: ir.Value) -> Optional[sympy.Expr]:
     """An integer that only depends on partition-id, evaluated for every
@@ -212,7 +235,7 @@ class RankArithmetic:
 
 _TABLE_OPS = ("constant", "partition_id", "reshape", "convert", "broadcast_in_dim", "copy",
               "add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum",
-              "dynamic_slice")
+              "dynamic_slice", "compare", "select", "and", "or", "negate", "abs", "sign")
 
 
 def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None) -> Optional[np.ndarray]:
@@ -229,7 +252,7 @@ def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None) -> Opt
       out = np.arange(n, dtype=np.int64)
     elif op.name == "constant":
       arr = np.asarray(op.attrs["value"])
-      out = np.full(n, int(arr.reshape(-1)[0]), np.int64) if arr.dtype.kind in "iu" else None
+      out = np.full(n, int(arr.reshape(-1)[0]), np.int64) if arr.dtype.kind in "iub" else None
     elif op.name == "dynamic_slice":
       table_v, *idx = op.operands
       t = table_v.producer
@@ -238,6 +261,15 @@ def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None) -> Opt
         i = partition_id_table(idx[0], n, memo)
         if i is not None and table.dtype.kind in "iu":
           out = table[np.clip(i, 0, len(table) - 1)].astype(np.int64)
+    elif op.name == "compare":
+      args = [partition_id_table(a, n, memo) for a in op.operands]
+      holds = COMPARISONS.get(op.attrs.get("comparison_direction"))
+      if all(a is not None for a in args) and holds is not None:
+        out = np.asarray(holds(*args), dtype=np.int64)
+    elif op.name == "select":
+      args = [partition_id_table(a, n, memo) for a in op.operands]
+      if all(a is not None for a in args):
+        out = np.where(args[0] != 0, args[1], args[2])
     else:
       args = [partition_id_table(a, n, memo) for a in op.operands]
       if all(a is not None for a in args):
@@ -248,7 +280,7 @@ def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None) -> Opt
 
 def _apply(name: str, args: list[np.ndarray]) -> Optional[np.ndarray]:
   if len(args) == 1:
-    return args[0]
+    return {"negate": np.negative, "abs": np.abs, "sign": np.sign}.get(name, lambda a: a)(args[0])
   a, b = args
   if name in ("divide", "remainder") and np.any(b == 0):
     return None
@@ -257,7 +289,8 @@ def _apply(name: str, args: list[np.ndarray]) -> Optional[np.ndarray]:
   if name == "remainder":
     return np.fmod(a, b)
   return {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
-          "maximum": np.maximum, "minimum": np.minimum}[name](a, b)
+          "maximum": np.maximum, "minimum": np.minimum, "and": np.bitwise_and,
+          "or": np.bitwise_or}[name](a, b)
 
 
 def table_form(table: np.ndarray) -> Optional[tuple[int, int, int, Optional[int]]]:

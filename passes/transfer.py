@@ -10,7 +10,12 @@ collective or a rank-dependent slice ``g``, then ``s ~ L' of d'``:
   reduce-scatter X, k     a partial sum over X becomes a tile along k
   all-to-all X, i -> j    the tile over X moves from dim j to dim i
   collective-permute      a replica stays a replica if every rank receives;
-                          a value pinned at coordinate c moves to perm(c)
+                          a value pinned at coordinate c moves to perm(c);
+                          a shift r -> r + s along x turns tiles over x by -s
+                          (rotated axes, layout.py)
+  dynamic-update-slice    a tile written at its own offset ((r_x + j) mod |x|)
+     at a ring's offset   * size is known there (partly known, layout.py); a
+                          buffer's known tiles and the one written add up
   select(r_x == c, a, 0)  a value pinned at x = c (or replicated over x)
                           becomes a partial sum over x; select(r_x in T, a, b)
                           pins a to the coordinates in T
@@ -28,11 +33,18 @@ from typing import Iterator, Optional
 import sympy
 
 from graphguard_hlo import ir
+from graphguard_hlo.ir import axis_base, axis_shift
 from graphguard_hlo.reference import COMPARISONS
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
 from graphguard_hlo.passes.unit_dims import lower_lifted, only_unit_dims_change, unit_dim_lifts
+
+
+def rotated(axis: str, by: int, n: int) -> str:
+  """``axis`` (plain or rotated) turned by ``by`` more steps on an axis of n."""
+  j = (axis_shift(axis) + by) % n
+  return axis_base(axis) if j == 0 else f"{axis_base(axis)}{ir.ROTATION_SEP}{j}"
 
 
 def _flip_if_negative(l: Layout, c: float) -> Layout:
@@ -52,11 +64,24 @@ class Transfer:
         op for op in graph.ops
         if op.name == "add" and any(v.producer is not None and v.producer.name == "iota"
                                     for v in op.operands)]
+    # Per-device `dynamic_update_slice`s writing one tile at a ring's offset:
+    # op -> (dim, axis, j), and by the classes of their buffer and update.
+    self.ring_writes = {id(op): w for op in graph.ops if op.name == "dynamic_update_slice"
+                        for w in [self._written_tile(op)] if w is not None}
+    self.ring_writes_by_class: dict[int, list[ir.Op]] = {}
+    for op in graph.ops:
+      if id(op) in self.ring_writes:
+        for v in op.operands[:2]:
+          self.ring_writes_by_class.setdefault(deg.of(v), []).append(op)
 
   # Rules that read dimension numbers of the per-device value: they need its
   # shape to be the tile's exactly, not merely equal up to unit dims.
   _DIMENSIONAL = {"all_gather", "reduce_scatter", "all_to_all", "dynamic_slice",
                   "dynamic_update_slice"}
+
+  # Rules sound on rotated axes (they never read which tile a rank holds);
+  # partly known layouts only grow through ``fill_union``.
+  _READ_ROTATED = {"collective_permute", "dynamic_update_slice", "multiply", "divide"}
 
   def apply(self, op: ir.Op, cls: int, layout: Layout,
             tile_shape: Optional[tuple[int, ...]] = None) -> Iterator[tuple[int, Layout, str]]:
@@ -64,6 +89,8 @@ class Transfer:
     tile has shape ``tile_shape`` (None: unknown)."""
     rule = getattr(self, f"_{op.name}", None)
     if rule is None or not op.results:
+      return
+    if not layout.is_plain() and (layout.filled or op.name not in self._READ_ROTATED):
       return
     related = op.operands[1] if op.name == "dynamic_update_slice" else op.operands[0]
     how = op.name.replace("_", "-")
@@ -177,10 +204,22 @@ class Transfer:
       if moved is not None:  # the pinned rank's value now sits at its receiver
         yield l.with_(at=tuple({**pins, axis: moved}.items()))
       return
+    n = self.mesh.axis_size(axis)
     receivers = {dst for _, dst in perm}
-    if axis in l.used_axes() or len(receivers) != self.mesh.axis_size(axis):
-      return  # a tile moved to another rank, or some rank receives zeros
-    yield l
+    if len(receivers) != n:
+      return  # some rank receives zeros
+    if axis in l.partial:
+      return
+    if axis not in l.split_axes():
+      yield l
+      return
+    shifts = {(dst - src) % n for src, dst in perm}
+    if len(shifts) != 1:
+      return  # not a ring: the tiles land in no rank order
+    (s,) = shifts
+    # Rank r now holds what r - s held: tile (r - s + j) for an axis turned by j.
+    yield l.with_(dims=tuple(tuple(rotated(a, -s, n) if axis_base(a) == axis else a
+                                   for a in axes) for axes in l.dims))
 
   def _select(self, op, cls, l: Layout):
     """``select(p, a, b)`` with ``p`` a function of one mesh coordinate r_x:
@@ -275,9 +314,17 @@ class Transfer:
   def _dynamic_update_slice(self, op, cls, l: Layout):
     """Each rank writes its tile into zeros at offset ``r * size``: summed over
     those ranks the buffers are the whole dim (the transpose of a rank-dependent
-    slice, as autodiff writes it).  The tiling over X becomes a partial sum."""
+    slice, as autodiff writes it).  The tiling over X becomes a partial sum.
+    A tile written at its own place in any buffer is known there (a ring)."""
     base, update, *offsets = op.operands
     if self.deg.of(update) != cls or self.deg.of(base) == cls:
+      return
+    written = self.ring_writes.get(id(op))
+    if written is not None:
+      known = self._written_known(op, written, l)
+      if known is not None:
+        yield known
+    if not l.is_plain():
       return
     if self.deg.splat(self.deg.of(base)) != 0.0:
       return
@@ -299,6 +346,47 @@ class Transfer:
       dims[k] = dims[k][:len(dims[k]) - len(axes)]
       partial.extend(axes)
     yield l.with_(dims=tuple(dims), partial=tuple(partial), partial_kind="sum")
+
+  # -- rings: tiles written where they belong -----------------------------------------
+  def _written_tile(self, op: ir.Op) -> Optional[tuple[int, str, int]]:
+    """(k, x, j) if ``op`` writes its update along dim k only, at offset
+    ``((r_x + j) mod |x|) * size`` with the buffer ``|x|`` updates long there."""
+    base, update, *offsets = op.operands
+    cut = [k for k, (u, b) in enumerate(zip(update.shape, base.shape)) if u != b]
+    if len(cut) != 1:
+      return None
+    (k,) = cut
+    found = self.arith.rotated_tile(offsets[k], update.shape[k])
+    if found is None or base.shape[k] != update.shape[k] * self.mesh.axis_size(found[0]):
+      return None
+    return k, found[0], found[1]
+
+  def _written_known(self, op, written, l: Layout) -> Optional[Layout]:
+    """The update tiled along dim k by exactly x turned by j, written at tile
+    r_x + j: the buffer knows that tile."""
+    k, axis, j = written
+    n = self.mesh.axis_size(axis)
+    if l.filled or l.dims[k] != (rotated(axis, j, n),):
+      return None
+    dims = l.dims[:k] + ((),) + l.dims[k + 1:]
+    return l.with_(dims=dims, filled=(k, axis, (j,)) if n > 1 else ())
+
+  def fill_union(self, op: ir.Op, base_layout: Layout, update_layout: Layout
+                 ) -> Optional[Layout]:
+    """``dus(buffer, tile, ring offset)`` with the buffer partly known: it knows
+    its old tiles and the one written (which overwrote only that tile)."""
+    written = self.ring_writes.get(id(op))
+    if written is None or not base_layout.filled:
+      return None
+    known = self._written_known(op, written, update_layout)
+    if known is None or known.with_(filled=()) != base_layout.with_(filled=()):
+      return None
+    k, axis, shifts = base_layout.filled
+    if known.filled[:2] != (k, axis):
+      return None
+    union = tuple(sorted(set(shifts) | set(known.filled[2])))
+    whole = len(union) == self.mesh.axis_size(axis)
+    return base_layout.with_(filled=() if whole else (k, axis, union))
 
   def _multiply(self, op, cls, l: Layout):
     c = self._splat_operand(op, cls)
