@@ -63,7 +63,8 @@ def _collective_words(inf, cls: int, layout: Layout) -> Optional[str]:
         return (f"{name} at {loc} concatenates shards along dim {k}, but the value is "
                 f"split over {_axes(axes)} along dim {split[0]} (shard concatenated on the "
                 f"wrong dim)")
-    if op.name == "collective_permute" and set(axes or ()) & layout.split_axes():
+    if op.name == "collective_permute" and set(axes or ()) & layout.split_axes() \
+        and not _ring_shift(op, inf.mesh):
       pairs = op.attrs.get("source_target_pairs")
       return (f"{name} at {loc} moves shards split over {_axes(axes)} to other ranks "
               f"(pairs {list(pairs)}): shards are permuted between ranks")
@@ -138,6 +139,47 @@ def _pin_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
+def _ring_shift(op: ir.Op, mesh: ir.Mesh) -> Optional[int]:
+  """s if the collective-permute sends every rank r to r + s along its axis."""
+  axes, perm = op.attrs.get("gg.axes"), op.attrs.get("gg.permutation")
+  if not axes or not perm or len(axes) != 1:
+    return None
+  n = mesh.axis_size(axes[0])
+  shifts = {(dst - src) % n for src, dst in perm}
+  return shifts.pop() if len(shifts) == 1 and len(perm) == n else None
+
+
+def _ring_words(inf, op: ir.Op) -> Optional[str]:
+  """A ring that writes a block at another block's place: the block in hand
+  is tile r + j (after the ring's permutes) but is written at tile r + j'."""
+  for v in op.operands:
+    for r in inf.relations.get(v.id, []):
+      if r.layout.is_plain() or r.layout.filled:
+        continue
+      for d_op in inf.transfer.ring_writes_by_class.get(r.cls, ()):
+        if inf.deg.of(d_op.operands[1]) != r.cls:
+          continue
+        k, axis, j = inf.transfer.ring_writes[id(d_op)]
+        held = ", ".join(r.layout.dims[k]) or "whole"
+        written = axis if j == 0 else f"{axis}+{j}"
+        if r.layout.dims[k] == (written,):
+          continue
+        moved = d_op.operands[1].producer
+        how = ""
+        if moved is not None and moved.name == "collective_permute":
+          shift = _ring_shift(moved, inf.mesh)
+          n = inf.mesh.axis_size(axis)
+          step = "" if shift is None else f", r -> r {'+' if shift <= n // 2 else '-'} " \
+              f"{shift if shift <= n // 2 else n - shift}"
+          how = (f" after the collective-permute at {moved.location} (pairs "
+                 f"{list(moved.attrs.get('gg.permutation') or ())}{step})")
+        return (f"a ring passes blocks of %{v.id} round {axis!r}: {_dname(d_op.operands[1])}"
+                f"{how} holds tile {held} of dim {k}, but the dynamic-update-slice at "
+                f"{d_op.location} writes it at tile {written}, so the buffer never holds "
+                f"the whole of %{v.id} (ring turning the wrong way, or offsets off by a step?)")
+  return None
+
+
 def _iota_words(inf, op: ir.Op) -> Optional[str]:
   """A sequential iota (positions, a mask's rows) whose per-device tiles are
   missing: if the devices run iotas of a tile's length, they count from 0."""
@@ -163,7 +205,7 @@ def diagnose_op(inf, op: ir.Op):
   from graphguard_hlo.passes.inference import Failure
   inputs = [(f"%{v.id}: {v.type}", inf.describe(v)) for v in op.operands]
   problems = _operand_problems(inf, op)
-  for words in (_pin_words(inf, op), _iota_words(inf, op)):
+  for words in (_ring_words(inf, op), _pin_words(inf, op), _iota_words(inf, op)):
     if words:
       problems.append(words)
   counterpart = _counterpart_words(inf, op)

@@ -137,6 +137,30 @@ def _offset_causal_mask(axis_name, with_offset=True):
   return mask
 
 
+def _ring_gather_seq(axis_name, shift=1):
+  """Keys and values gathered round a ring of ``ppermute``s (the exchange of
+  ring attention, which overlaps it with compute): each step writes the block
+  in hand at its place, ``(r - t) mod n``, then passes it on to rank r + 1.
+  ``shift=-1`` is the bug: blocks go to rank r - 1 while the offsets assume
+  they came from it."""
+  def gather(x, axis=1):
+    n = lax.axis_size(axis_name)
+    r = lax.axis_index(axis_name)
+    block = x.shape[axis]
+    buf = jnp.zeros(x.shape[:axis] + (n * block,) + x.shape[axis + 1:], x.dtype)
+    for t in range(n):
+      buf = lax.dynamic_update_slice_in_dim(buf, x, ((r - t) % n) * block, axis)
+      if t < n - 1:
+        x = lax.ppermute(x, axis_name, [(i, (i + shift) % n) for i in range(n)])
+    return buf
+  return gather
+
+
+def _ring_par(shift=1):
+  """``cp`` with keys and values passed round a ring instead of all-gathered."""
+  return dataclasses.replace(_cp_par(), gather_kv=_ring_gather_seq("cp", shift))
+
+
 def _cp_par(base=None, loss_axes=("cp",), gather_axis="cp", with_offset=True):
   """Context parallelism on "cp" with all-gathered keys and values (as Llama 3
   was trained): activations stay sharded over the sequence; attention gathers
@@ -301,6 +325,10 @@ _STRATEGIES = {s.name: s for s in [
 # Pipeline parallelism: 8 layers on 4 stages, two per stage.
 PP = _Strategy("pp", (4,), ("pp",), P(), _no_param_specs, _pp_par,
                (("stacked_params", True), ("layers", 8)), layer_axis="pp")
+
+# Context parallelism with keys and values passed round a ring of ppermutes
+# (shard_map only: the ring is the hand-written part; under GSPMD it is ``cp``).
+CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
 
 # Expert parallelism: llama3 only (its MLP is the MoE layer), 4 experts.
 EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
@@ -630,6 +658,17 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                "wrong_permutation", "multiply"))
   built.append(_shard_map_case("llama3", PP, cfg, "wrong_permutation", _pp_par(shift=-1),
                                "wrong_permutation", "multiply"))
+  # Keys and values round a ring, and the ring turning the wrong way: blocks
+  # land at other blocks' places; the first op reading the gathered keys is
+  # the scores' dot_general (Llama: the kv heads' repeat, a broadcast_in_dim).
+  ring_scan = _scanned(CP_RING)
+  for model in MODELS:
+    built.append(_shard_map_case(model, CP_RING, cfg, "ok", CP_RING.par()))
+    built.append(_shard_map_case(model, ring_scan, cfg, "ok", ring_scan.par()))
+  built.append(_shard_map_case("gpt2", CP_RING, cfg, "wrong_permutation", _ring_par(shift=-1),
+                               "wrong_permutation", "dot_general"))
+  built.append(_shard_map_case("llama3", CP_RING, cfg, "wrong_permutation",
+                               _ring_par(shift=-1), "wrong_permutation", "broadcast_in_dim"))
   # Layers stacked under lax.scan: proved by one inductive step of the loop.
   for model in MODELS:
     for strategy in _STRATEGIES.values():
