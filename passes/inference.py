@@ -33,9 +33,10 @@ from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.dist_program import DistProgram
 from graphguard_hlo.passes.layout import Layout
-from graphguard_hlo.passes.lemmas import ELEMENTWISE, SeqOp, apply_lemmas, is_modelled
+from graphguard_hlo.ir import axis_base, axis_shift
+from graphguard_hlo.passes.lemmas import ELEMENTWISE, SeqOp, Step, apply_lemmas, is_modelled
 from graphguard_hlo.passes.rank_arith import RankArithmetic
-from graphguard_hlo.passes.transfer import Transfer
+from graphguard_hlo.passes.transfer import Transfer, ring_axes
 
 MAX_RELATIONS_PER_VALUE = 24
 MAX_COMBINATIONS = 256
@@ -133,6 +134,7 @@ class RelationInference:
     self.users = op_users(dist.graph, self.deg)
     self.arith = RankArithmetic(self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
+    self.rings = ring_axes(dist.graph, self.mesh)
     self.relations: dict[int, list[Relation]] = {}
     self._transfer_memo: dict[tuple, list[Relation]] = {}
     self._step_memo: dict[tuple, list] = {}
@@ -192,9 +194,14 @@ class RelationInference:
     return out
 
   def plain_relations(self, s: ir.Value) -> list[Relation]:
-    """The relations lemmas, loops and outputs may read (layout.py: not
-    rotated, not partly known)."""
+    """The relations loops and outputs read (layout.py: not rotated, not
+    partly known)."""
     return [r for r in self.relations.get(s.id, ()) if r.layout.is_plain()]
+
+  def whole_relations(self, s: ir.Value) -> list[Relation]:
+    """The relations lemmas read: every tile they speak of is known (rotated
+    tiles and a ring's diagonal blocks are; a partly filled buffer is not)."""
+    return [r for r in self.relations.get(s.id, ()) if not r.layout.filled]
 
   def describe(self, s: ir.Value) -> list[str]:
     if s.id in self.splats:
@@ -226,7 +233,7 @@ class RelationInference:
       if self.on_progress is not None:
         self.on_progress(self.processed)
       unrelated = [r for r in op.results if r.id not in self.splats
-                   and not self.plain_relations(r)]
+                   and not self.whole_relations(r)]
       if unrelated and op.name == "while" and self.loop_failure is not None:
         return self.loop_failure
       if unrelated:
@@ -289,7 +296,8 @@ class RelationInference:
     if op.name == "reduce" and op.regions:
       attrs["gg.reduction"] = reducer_kind(op.regions[0])
     seq_op = SeqOp(op.name, attrs, tuple(v.type for v in op.operands),
-                   op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh)
+                   op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh,
+                   self.rings)
     self._scale_by_constant(op)
     if op.name == "iota":
       for cls, layout in self.transfer.offset_iotas(op.results[0].type, op.attrs):
@@ -317,6 +325,103 @@ class RelationInference:
           cls = self._lookup_local(op, combo, step, children, k)
           if cls is not None:
             self.add_relation(result, Relation(cls, step.layout, step.lemma))
+    if self.rings and op.name in ("reduce", "dot_general"):
+      self._ring_folds(op, seq_op)
+
+  # -- rings: a reduction over the blocks a ring visits --------------------------
+  _FOLD = {"sum": "add", "max": "maximum", "min": "minimum"}
+
+  def _ring_folds(self, op: ir.Op, seq_op: SeqOp) -> None:
+    """reduce(S, k), or a dot contracting k, where each rank holds block
+    ``r + j`` of dim k in a different value for each j (a ring's steps): the
+    blocks of every j cover the dim, so the result is the per-device
+    program's fold of the per-block results, by adds (or maxima) in any order
+    (``_fold``).  The blocks' results alone relate to nothing."""
+    pieces: dict[tuple[Layout, str], dict[int, int]] = {}
+    for combo in self._operand_combinations(op):
+      found = self._fold_piece(op, seq_op, combo)
+      if found is not None:
+        layout, axis, j, cls = found
+        pieces.setdefault((layout, axis), {}).setdefault(j, cls)
+    kind = "sum" if op.name == "dot_general" else seq_op.attrs.get("gg.reduction")
+    for (layout, axis), by_turn in pieces.items():
+      if len(by_turn) == self.mesh.axis_size(axis):
+        folded = self._fold(by_turn, self._FOLD[kind])
+        if folded is not None:
+          self.add_relation(op.results[0], Relation(folded, layout, "ring-fold"))
+
+  def _fold_piece(self, op: ir.Op, seq_op: SeqOp, combo):
+    """(result layout, x, j, class) if the operands hold the blocks x+j of
+    the reduced dim (and nothing else of it) and the per-device program runs
+    the op on them."""
+    layouts = [l for _, l in combo]
+    if any(l.partial or l.at or not l.is_clean() for l in layouts):
+      return None
+    if op.name == "reduce":
+      if len(op.operands) != 2 or not self._inits_are_identities(
+          op, Step({}, seq_op.result_type, Layout((), ("fold",), seq_op.attrs.get(
+              "gg.reduction", "?")), "ring-fold")):
+        return None
+      a = layouts[0]
+      dims = op.attrs["dimensions"]
+      names = [x for d in dims for x in a.dims[d]]
+      result = Layout(tuple(a.dims[d] for d in range(a.rank) if d not in dims))
+    elif op.name == "dot_general":
+      a, b = layouts
+      at = op.attrs
+      if any(a.dims[i] != b.dims[j] for i, j in zip(at["lhs_batch"], at["rhs_batch"])) or \
+          any(a.dims[i] != b.dims[j] for i, j in zip(at["lhs_contract"], at["rhs_contract"])):
+        return None
+      names = [x for i in at["lhs_contract"] for x in a.dims[i]]
+      lfree = [i for i in range(a.rank) if i not in at["lhs_batch"] + at["lhs_contract"]]
+      rfree = [j for j in range(b.rank) if j not in at["rhs_batch"] + at["rhs_contract"]]
+      result = Layout(tuple(a.dims[i] for i in at["lhs_batch"]) + tuple(
+          a.dims[i] for i in lfree) + tuple(b.dims[j] for j in rfree))
+    else:
+      return None
+    if len(names) != 1 or axis_base(names[0]) not in self.rings or not result.is_valid():
+      return None
+    local = result.local_shape(seq_op.result_type.shape, self.mesh)
+    if local is None:
+      return None
+    attrs = {k: v for k, v in op.attrs.items() if k != "gg.reduction"}
+    step = Step(attrs, ir.TensorType(local, seq_op.result_type.dtype), result, "ring-fold")
+    children = self._children(op, combo, step)
+    cls = None if children is None else self._lookup_local(op, combo, step, children, 0)
+    return None if cls is None else (result, axis_base(names[0]), axis_shift(names[0]), cls)
+
+  def _fold(self, by_turn: dict[int, int], combiner: str) -> Optional[int]:
+    """A class the per-device program computes as ``combiner`` over exactly
+    the classes ``by_turn`` (each once), in any order and association, with
+    the combiner's identity (a 0 or -inf splat) anywhere."""
+    identity = {"add": 0.0, "maximum": -math.inf, "minimum": math.inf}[combiner]
+    covers: dict[int, frozenset] = {}
+    for j, cls in by_turn.items():
+      if cls in covers:
+        return None  # one value for two blocks
+      covers[cls] = frozenset({j})
+    whole = frozenset(by_turn)
+    work = list(covers)
+    while work:
+      c = work.pop()
+      for d_op in self.users.get(c, ()):
+        if d_op.name != combiner or len(d_op.operands) != 2:
+          continue
+        x, y = (self.deg.of(v) for v in d_op.operands)
+        other = y if x == c else x
+        if other in covers and other != c and not covers[other] & covers[c]:
+          cover = covers[c] | covers[other]
+        elif self.deg.splat(other) == identity:
+          cover = covers[c]
+        else:
+          continue
+        out = self.deg.of(d_op.results[0])
+        if len(covers.get(out, ())) < len(cover):
+          covers[out] = cover
+          if cover == whole:
+            return out
+          work.append(out)
+    return None
 
   def _steps(self, op: SeqOp, layouts: list[Layout]) -> list:
     """The lemmas' steps for an op signature and operand layouts, memoized.
@@ -413,7 +518,7 @@ class RelationInference:
       if v.id in self.splats:
         choices.append([("splat", None)])
       else:
-        rels = self.plain_relations(v)
+        rels = self.whole_relations(v)
         if not rels:
           return
         choices.append([(r, r.layout) for r in rels])

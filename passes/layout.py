@@ -28,15 +28,16 @@ A ring of collective-permutes turns tiles: after ``t`` steps of ``r -> r + 1``
 along "cp" rank ``r`` holds tile ``r - t``.  A *rotated axis* names that,
 ``cp+3`` (on 4 ranks): its coordinate at rank ``r`` is ``(r_cp + 3) mod 4``.
 It may tile a dim like any axis; it is never partial or pinned, and no other
-form of its base axis may tile the same dim.
+form of its base axis may tile the same dim.  An axis (turned or not) may tile
+several dims: the blocks ``(r, r + j)`` on a ring's ``j``-th diagonal.
 
 ``filled = (k, x, shifts)`` says a dim is only partly known: dim ``k`` is held
 whole, but only its tiles ``(r_x + j) mod |x|`` for ``j`` in ``shifts`` (in
 tiles of ``|x|``) are the sequential ones; the rest is anything.  That is what
 a ring writing the tiles it receives into a buffer has after some steps; with
-every shift it is the plain layout.  Rotated and filled layouts are *not
-plain*: only the transfer rules that build them read them (``transfer.py``),
-lemmas and outputs never do.
+every shift it is the plain layout.  Rotated, diagonal and filled layouts are
+*not plain*: collectives, loops and outputs never read them (only the ring
+rules of ``transfer.py`` do); lemmas read all but the filled ones.
 """
 
 from __future__ import annotations
@@ -109,17 +110,18 @@ class Layout:
       others.append(axis)  # the tiles it speaks of are along this axis
     if any(len({axis_base(a) for a in d}) != len(d) for d in self.dims):
       return False
-    if len(tiling) != len(set(tiling)):
-      return False
-    # A base axis may tile several dims at different rotations (the diagonal
-    # blocks a ring visits); partial and pinned axes are used nowhere else.
+    # An axis may tile several dims, as is or turned (the diagonal blocks a
+    # ring visits); partial and pinned axes are used nowhere else.
     bases = {axis_base(a) for a in tiling}
     return len(others) == len(set(others)) and not bases & set(others)
 
   def is_plain(self) -> bool:
-    """No rotated axis and no partly known dim: what lemmas and outputs read."""
-    return not self.filled and not any(
-        axis_shift(a) or axis_base(a) != a for d in self.dims for a in d)
+    """Each axis tiles one dim, unturned, and every dim is known: a concat
+    over ranks, what collectives, loops and outputs read."""
+    if self.filled:
+      return False
+    tiling = [a for d in self.dims for a in d]
+    return len(tiling) == len(set(tiling)) and all(axis_base(a) == a for a in tiling)
 
   def is_clean(self) -> bool:
     return scales_equal(self.scale, 1.0)
@@ -260,6 +262,13 @@ def assemble(layout: Layout, mesh: Mesh, local_at: dict[tuple[int, ...], np.ndar
   blocks = np.empty(counts, dtype=object)
   for key, tile in tiles.items():
     blocks[key] = tile
+  if layout.rank and len(tiles) < blocks.size:
+    # An axis tiling two dims (a ring's diagonal blocks) leaves the other
+    # blocks unknown.
+    unknown = np.full(next(iter(tiles.values())).shape, np.nan)
+    for key in np.ndindex(*counts):
+      if blocks[key] is None:
+        blocks[key] = unknown
   return np.block(blocks.tolist()) if layout.rank else blocks[()]
 
 

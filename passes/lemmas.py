@@ -26,6 +26,7 @@ import math
 from typing import Callable, Iterator, Optional, Sequence
 
 from graphguard_hlo import ir
+from graphguard_hlo.ir import axis_base, axis_shift
 from graphguard_hlo.passes.layout import Layout, scales_equal
 
 # -- op classes ----------------------------------------------------------------
@@ -53,6 +54,9 @@ class SeqOp:
   operand_types: tuple[ir.TensorType, ...]
   result_type: ir.TensorType
   mesh: ir.Mesh
+  # Mesh axes the per-device program passes tiles round (a ring of
+  # collective-permutes): dims free to tile may take them rotated, too.
+  rings: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +170,7 @@ def _dot_general(op: SeqOp, ls: Sequence[Layout]):
     return
   if any(a.dims[i] != b.dims[j] for i, j in zip(lc, rc)):
     return
-  contracted = tuple(ax for i in lc for ax in a.dims[i])
+  contracted = tuple(axis_base(ax) for i in lc for ax in a.dims[i])
   lfree = [i for i in range(a.rank) if i not in lb and i not in lc]
   rfree = [j for j in range(b.rank) if j not in rb and j not in rc]
   dims = tuple(a.dims[i] for i in lb) + tuple(a.dims[i] for i in lfree) + tuple(
@@ -220,7 +224,7 @@ def _reshape(op: SeqOp, ls: Sequence[Layout]):
   groups = reshape_groups(src, dst)
   if groups is None:
     return
-  sizes = dict(op.mesh.axes)
+  sizes = {x: op.mesh.axis_size(x) for axes in a.dims for x in axes}  # (rotated ones, too)
   dims: list[tuple[str, ...]] = [() for _ in dst]
   for gi, gj in groups:
     axes = _contiguous_group_axes([src[i] for i in gi], [a.dims[i] for i in gi], sizes)
@@ -271,6 +275,10 @@ def _free_axis_choices(op: SeqOp, taken: set[str], free_dims: Sequence[int],
                        base: list[tuple[str, ...]], limit: int = 24):
   """Ways to tile dims whose content does not depend on the position along them."""
   avail = [a for a, n in op.mesh.axes if a not in taken and n > 1]
+  # A ring's blocks: any turn of a ring axis, even one tiling another dim
+  # (the diagonal blocks it visits); ``is_valid`` rejects what cannot be.
+  turns = [(x if j == 0 else f"{x}{ir.ROTATION_SEP}{j}",) for x in sorted(op.rings)
+           for j in range(op.mesh.axis_size(x))]
   options_per_dim = []
   for d in free_dims:
     opts: list[tuple[str, ...]] = [()]
@@ -279,6 +287,11 @@ def _free_axis_choices(op: SeqOp, taken: set[str], free_dims: Sequence[int],
         n = math.prod(op.mesh.axis_size(x) for x in combo)
         if op.result_type.shape[d] % n == 0:
           opts.append(combo)
+      if k == 1:
+        opts += [t for t in turns if t not in opts
+                 and op.result_type.shape[d] % op.mesh.axis_size(t[0]) == 0]
+    if not avail:
+      opts += [t for t in turns if op.result_type.shape[d] % op.mesh.axis_size(t[0]) == 0]
     options_per_dim.append(opts)
   count = 0
   for choice in itertools.product(*options_per_dim):
@@ -333,7 +346,8 @@ def _reduce(op: SeqOp, ls: Sequence[Layout]):
     return  # every rank adds its own init: it must be the same whole value
   kind = op.attrs.get("gg.reduction")
   dims = op.attrs["dimensions"]
-  reduced_axes = tuple(x for d in dims for x in a.dims[d])
+  # Summed over every rank of an axis, its turn does not matter.
+  reduced_axes = tuple(axis_base(x) for d in dims for x in a.dims[d])
   kept = tuple(a.dims[d] for d in range(a.rank) if d not in dims)
   if kind == "sum":
     if a.partial and a.partial_kind != "sum":
@@ -400,8 +414,12 @@ def _slice_one_tile(op: SeqOp, ls: Sequence[Layout]):
       return
     start[d], limit[d] = start[d] - t * n, limit[d] - t * n
     for axis in reversed(axes):  # t's mixed-radix digits, minor axis last
-      pins[axis] = t % op.mesh.axis_size(axis)
-      t //= op.mesh.axis_size(axis)
+      n_axis = op.mesh.axis_size(axis)
+      # a rotated axis x+j holds digit t at r_x = t - j
+      coord = (t % n_axis - axis_shift(axis)) % n_axis
+      if pins.setdefault(axis_base(axis), coord) != coord:
+        return  # a block off a ring's diagonal: no rank holds it
+      t //= n_axis
     dims[d] = ()
   if len(pins) == len(a.at):
     return  # every tiled dim taken whole: slice-untiled-dims

@@ -41,6 +41,22 @@ from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
 from graphguard_hlo.passes.unit_dims import lower_lifted, only_unit_dims_change, unit_dim_lifts
 
 
+def ring_shift(op: ir.Op, mesh: ir.Mesh) -> Optional[tuple[str, int]]:
+  """(x, s) if the collective-permute sends every rank r to r + s along x."""
+  axes, perm = op.attrs.get("gg.axes"), op.attrs.get("gg.permutation")
+  if not axes or not perm or len(axes) != 1:
+    return None
+  n = mesh.axis_size(axes[0])
+  shifts = {(dst - src) % n for src, dst in perm}
+  return (axes[0], shifts.pop()) if len(shifts) == 1 and len(perm) == n else None
+
+
+def ring_axes(graph: ir.Graph, mesh: ir.Mesh) -> frozenset:
+  """The mesh axes some ring of collective-permutes passes tiles round."""
+  return frozenset(found[0] for op in graph.walk() if op.name == "collective_permute"
+                   for found in [ring_shift(op, mesh)] if found is not None)
+
+
 def rotated(axis: str, by: int, n: int) -> str:
   """``axis`` (plain or rotated) turned by ``by`` more steps on an axis of n."""
   j = (axis_shift(axis) + by) % n
@@ -213,10 +229,10 @@ class Transfer:
     if axis not in l.split_axes():
       yield l
       return
-    shifts = {(dst - src) % n for src, dst in perm}
-    if len(shifts) != 1:
+    ring = ring_shift(op, self.mesh)
+    if ring is None:
       return  # not a ring: the tiles land in no rank order
-    (s,) = shifts
+    s = ring[1]
     # Rank r now holds what r - s held: tile (r - s + j) for an axis turned by j.
     yield l.with_(dims=tuple(tuple(rotated(a, -s, n) if axis_base(a) == axis else a
                                    for a in axes) for axes in l.dims))
@@ -450,12 +466,15 @@ class Transfer:
       local = op.results[0].type.shape
       if len(local) != len(seq_type.shape):
         continue
-      expr = self._broadcast_scalar(off_v)
-      if expr is None:
-        continue
-      axes = self.tile_axes(expr, local[k], set())
+      scalar = self._broadcast_scalar(off_v)
+      expr = self.arith.value(scalar)
+      axes = None if expr is None else self.tile_axes(expr, local[k], set())
       if axes is None:
-        continue
+        # A ring's block offset, ((r_x + j) mod |x|) * n: tile x+j.
+        turn = self.arith.rotated_tile(scalar, local[k])
+        if turn is None:
+          continue
+        axes = (rotated(turn[0], turn[1], self.mesh.axis_size(turn[0])),)
       dims: list[tuple[str, ...]] = [() for _ in local]
       dims[k] = axes
       if local[k] * math.prod(self.mesh.axis_size(a) for a in axes) != seq_type.shape[k]:
@@ -464,10 +483,11 @@ class Transfer:
         continue
       yield self.deg.of(op.results[0]), Layout(tuple(dims))
 
-  def _broadcast_scalar(self, v: ir.Value) -> Optional[sympy.Expr]:
+  def _broadcast_scalar(self, v: ir.Value) -> ir.Value:
+    """The one-element value a splat-shaped ``v`` broadcasts or reshapes."""
     op = v.producer
     while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert") and \
         math.prod(op.operands[0].shape) == 1:
       v = op.operands[0]
       op = v.producer
-    return self.arith.value(v)
+    return v
