@@ -22,6 +22,10 @@ before anything is compared:
   transpose(all_to_all(x, k -> k), p)     -> reshape(transpose(all_to_all(x, k -> c), p))
   all_to_all(reshape(v), k -> c)          -> reshape(all_to_all(v, s -> c'))
   reduce over size-1 dims (identity init) -> reshape
+  max(x, -inf), min(x, +inf)              -> x
+  dot(a, b), b first by its dims          -> transpose(dot(b, a))
+  the online softmax, telescoped          (online_softmax.py)
+  (p / l) @ v                             -> (p @ v) / l
 
 Each is an identity of the ops' semantics (tested in tests/test_canonicalize.py).
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from graphguard_hlo import ir
+from graphguard_hlo.passes import online_softmax
 
 Pattern = Callable[[ir.Module, ir.Graph, ir.Op], Optional[ir.Value]]
 
@@ -224,6 +229,47 @@ def _add_zero(module, graph, op) -> Optional[ir.Value]:
   return None
 
 
+def _dot_operand_order(module, graph, op) -> Optional[ir.Value]:
+  """dot(a, b) -> transpose(dot(b, a)) when b comes first by (batch dims,
+  contracting dims, rank): one order for the same product, whichever way
+  jnp.einsum wrote it (``bhst,bthd->bshd`` is dot(v, p), ``->bhsd`` dot(p, v))."""
+  if op.name != "dot_general" or len(op.operands) != 2:
+    return None
+  at = op.attrs
+  a, b = op.operands
+  key = lambda v, batch, contract: (tuple(batch), tuple(contract), v.type.rank)
+  if key(b, at["rhs_batch"], at["rhs_contract"]) >= key(a, at["lhs_batch"], at["lhs_contract"]):
+    return None
+  n_batch = len(at["lhs_batch"])
+  a_free = a.type.rank - n_batch - len(at["lhs_contract"])
+  b_free = b.type.rank - n_batch - len(at["rhs_contract"])
+  swapped_attrs = {**at, "lhs_batch": at["rhs_batch"], "rhs_batch": at["lhs_batch"],
+                   "lhs_contract": at["rhs_contract"], "rhs_contract": at["lhs_contract"]}
+  out = op.results[0]
+  # the swapped result: batch, b's free dims, a's free dims
+  perm = tuple(range(n_batch)) + tuple(n_batch + b_free + i for i in range(a_free)) + tuple(
+      n_batch + j for j in range(b_free))
+  swapped_shape = [out.shape[k] for k in range(n_batch)] + [
+      out.shape[n_batch + a_free + j] for j in range(b_free)] + [
+      out.shape[n_batch + i] for i in range(a_free)]
+  swapped = _fresh(module, "dot_general", [b, a], swapped_attrs, swapped_shape,
+                   out.type.dtype, op.location)
+  return _emit(module, graph, op, "transpose", [_simplified_and_placed(module, graph, swapped)],
+               {"permutation": perm})
+
+
+def _max_with_identity(module, graph, op) -> Optional[ir.Value]:
+  """max(x, -inf) -> x, min(x, +inf) -> x (``jnp.max(..., initial=-inf)``)."""
+  identity = {"maximum": -float("inf"), "minimum": float("inf")}.get(op.name)
+  if identity is None or len(op.operands) != 2:
+    return None
+  from graphguard_hlo.passes.terms import splat_value
+  for x, other in (op.operands, op.operands[::-1]):
+    if splat_value(other) == identity and x.type == op.results[0].type:
+      return x
+  return None
+
+
 def _offset_before_broadcast(module, graph, op) -> Optional[ir.Value]:
   """broadcast(x, d) + broadcast(c) -> broadcast(x + broadcast(c), d), c a scalar.
 
@@ -380,8 +426,11 @@ PATTERNS: tuple[Pattern, ...] = (
     _transpose_of_unit_dims,
     _transpose_through_all_reduce,
     _broadcast_expanding_units,
-    _iota_as_broadcast, _add_zero, _offset_before_broadcast, _select_of_true_false,
-    _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims)
+    _iota_as_broadcast, _add_zero, _max_with_identity, _offset_before_broadcast,
+    _select_of_true_false,
+    _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims,
+    _dot_operand_order,  # before divide_after_dot: it rewrites the dot in order
+    online_softmax.online_rescale, online_softmax.divide_after_dot)
 
 
 def _emit(module, graph, op, name, operands, attrs) -> ir.Value:

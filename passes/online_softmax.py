@@ -1,0 +1,234 @@
+"""Canonical forms for softmax-weighted sums: the online softmax, telescoped.
+
+Ring attention (and flash attention) never form a row's softmax at once: each
+step folds one block of scores ``s`` into a running row max ``m``, denominator
+``l`` and output ``o``, rescaling what it has by ``exp(m - m')``::
+
+    m' = max(m, rowmax(s));  p = exp(s - m')
+    l' = exp(m - m') * l + rowsum(p);  o' = exp(m - m') * o + p @ v
+
+By ``exp(s - m) * exp(m - m') = exp(s - m')`` the rescaling telescopes: after
+the last step ``o = sum_j exp(s_j - m) @ v_j`` and ``l = sum_j rowsum(exp(s_j - m))``
+with the final max ``m``, which is the sequential softmax, block by block.
+These patterns rewrite the recurrence to that form, one step at a time (each
+step's ``o`` is already telescoped when the next one rescales it):
+
+  exp(m - m') * 0                         -> 0
+  exp(m - m') * (x + y)                   -> exp(m - m') * x + exp(m - m') * y
+                                             (when x, y rescale below)
+  exp(m - m') * (exp(s - m) @ v)          -> exp(s - m') @ v   (or v @ ..., transposed)
+  exp(m - m') * rowsum(exp(s - m))        -> rowsum(exp(s - m'))
+
+``exp(m - m')`` may be broadcast along the dims it scales rows of.  And the
+sequential softmax divides before its matmul where the online one divides
+after, so both programs get
+
+  (p / l) @ v                             -> (p @ v) / l      (l scales rows of p)
+
+Each is an identity of real arithmetic on finite values (the first needs
+``exp(m - m')`` finite, which it is for any finite ``m'``); tested numerically
+in ``tests/test_online_softmax.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from graphguard_hlo import ir
+
+
+def _producer(v: ir.Value, name: str) -> Optional[ir.Op]:
+  op = v.producer
+  return op if op is not None and op.name == name else None
+
+
+def _exp_difference(v: ir.Value) -> Optional[tuple[ir.Value, ir.Value]]:
+  """(a, b) if v = exp(a - b)."""
+  e = _producer(v, "exponential")
+  d = None if e is None else _producer(e.operands[0], "subtract")
+  return None if d is None else (d.operands[0], d.operands[1])
+
+
+def _row_scale(v: ir.Value) -> Optional[tuple[ir.Value, ir.Value, tuple[int, ...]]]:
+  """(m, m', dims) if v = broadcast(exp(m - m'), dims) with m, m' alike (no
+  broadcast: dims the identity)."""
+  b = _producer(v, "broadcast_in_dim")
+  inner = v if b is None else b.operands[0]
+  found = _exp_difference(inner)
+  if found is None or found[0].type != found[1].type or found[0].type != inner.type:
+    return None
+  dims = tuple(range(inner.type.rank)) if b is None else tuple(b.attrs["broadcast_dimensions"])
+  return found[0], found[1], dims
+
+
+def _shifted_exp(e: ir.Value, m: ir.Value) -> Optional[tuple[ir.Value, ir.Op]]:
+  """(s, broadcast op) if e = exp(s - broadcast(m))."""
+  found = _exp_difference(e)
+  if found is None:
+    return None
+  s, shifted = found
+  b = _producer(shifted, "broadcast_in_dim")
+  if b is None or b.operands[0] is not m:
+    return None
+  return s, b
+
+
+def _dot_rows(dot: ir.Op, side: int) -> dict[int, int]:
+  """Operand ``side``'s dims the dot keeps -> their result dims (batch dims
+  first, then the lhs's free dims, then the rhs's)."""
+  at = dot.attrs
+  batch = [at["lhs_batch"], at["rhs_batch"]]
+  contract = [at["lhs_contract"], at["rhs_contract"]]
+  free = [[i for i in range(v.type.rank) if i not in batch[k] and i not in contract[k]]
+          for k, v in enumerate(dot.operands)]
+  rows = {i: k for k, i in enumerate(batch[side])}
+  start = len(batch[0]) + (len(free[0]) if side == 1 else 0)
+  rows.update({i: start + k for k, i in enumerate(free[side])})
+  return rows
+
+
+def _reduce_rows(red: ir.Op) -> dict[int, int]:
+  """operand dim -> result dim, for the dims a reduce keeps."""
+  kept = [i for i in range(red.operands[0].type.rank) if i not in red.attrs["dimensions"]]
+  return {i: k for k, i in enumerate(kept)}
+
+
+def _scales_rows(bcast: ir.Op, rows: dict[int, int], scale_dims: tuple[int, ...]) -> bool:
+  """Does ``scale`` (broadcast by ``scale_dims`` to the result) scale the same
+  rows ``bcast`` (m into the operand) shifts?  Dim i of m must land in a kept
+  operand dim that maps to where the scale puts its dim i."""
+  shift_dims = bcast.attrs["broadcast_dimensions"]
+  return len(shift_dims) == len(scale_dims) and all(
+      d in rows and rows[d] == r for d, r in zip(shift_dims, scale_dims))
+
+
+def _rescaled(module, graph, scale, x: ir.Value, location) -> Optional[ir.Value]:
+  """``scale * x`` with x a telescoped term (a dot or rowsum of exp(s - m)),
+  rebuilt over exp(s - m'); None if x is not one."""
+  from graphguard_hlo.passes.canonicalize import _fresh, _simplified_and_placed
+  m, m_new, _ = scale
+  found = _telescoped_term(scale, x)
+  if found is None:
+    return None
+  op, side, s, bcast = found
+  place = lambda o: _simplified_and_placed(module, graph, o)
+  shifted = place(_fresh(module, "broadcast_in_dim", [m_new], dict(bcast.attrs),
+                         bcast.results[0].shape, bcast.results[0].type.dtype, location))
+  diff = place(_fresh(module, "subtract", [s, shifted], {}, s.shape, s.type.dtype, location))
+  e = place(_fresh(module, "exponential", [diff], {}, s.shape, s.type.dtype, location))
+  operands = list(op.operands)
+  operands[side] = e
+  inner = op.results[0]
+  new = _fresh(module, op.name, operands, dict(op.attrs), inner.shape, inner.type.dtype,
+               location)
+  new.regions = op.regions  # the reducer (read only)
+  if inner is x:
+    return place(new)
+  return place(_fresh(module, "transpose", [place(new)], dict(x.producer.attrs), x.shape,
+                      x.type.dtype, location))
+
+
+def _is_sum(op: ir.Op) -> bool:
+  from graphguard_hlo.passes.collectives import reducer_kind
+  from graphguard_hlo.passes.terms import splat_value
+  return bool(op.regions) and reducer_kind(op.regions[0]) == "sum" and \
+      splat_value(op.operands[1]) == 0.0
+
+
+def _telescoped_term(scale, x: ir.Value) -> Optional[tuple[ir.Op, int, ir.Value, ir.Op]]:
+  """(the term's op, side, s, broadcast) if x is ``exp(s - m) @ v`` (either
+  side, maybe transposed after) or ``rowsum(exp(s - m))`` with ``scale`` =
+  exp(m - m') scaling its rows."""
+  m, _, scale_dims = scale
+  op = x.producer
+  outer = {}
+  if op is not None and op.name == "transpose":
+    perm = op.attrs["permutation"]
+    outer = {k: perm.index(k) for k in range(len(perm))}  # inner dim -> result dim
+    op = op.operands[0].producer
+  if op is None:
+    return None
+  if op.name == "dot_general" and len(op.operands) == 2:
+    sides = [(k, _dot_rows(op, k)) for k in (0, 1)]
+  elif op.name == "reduce" and len(op.operands) == 2 and _is_sum(op) and not outer:
+    sides = [(0, _reduce_rows(op))]
+  else:
+    return None
+  for side, rows in sides:
+    if outer:
+      rows = {i: outer[k] for i, k in rows.items()}
+    found = _shifted_exp(op.operands[side], m)
+    if found is not None and _scales_rows(found[1], rows, scale_dims):
+      return op, side, found[0], found[1]
+  return None
+
+
+def _rescalable(scale, x: ir.Value, depth: int = 0) -> bool:
+  """Is x a sum of terms ``_rescaled`` takes (checked before distributing)?"""
+  op = x.producer
+  if op is None or depth > 64:
+    return False
+  if op.name == "add":
+    return all(_rescalable(scale, v, depth + 1) for v in op.operands)
+  return _telescoped_term(scale, x) is not None
+
+
+def online_rescale(module, graph, op: ir.Op) -> Optional[ir.Value]:
+  """``exp(m - m') * t`` for t zero, a sum, or a telescoped term (see above)."""
+  from graphguard_hlo.passes.canonicalize import _emit, _fresh, _simplified_and_placed
+  from graphguard_hlo.passes.terms import splat_value
+  if op.name != "multiply" or len(op.operands) != 2:
+    return None
+  for scale_v, x in (op.operands, op.operands[::-1]):
+    scale = _row_scale(scale_v)
+    if scale is None:
+      continue
+    if splat_value(x) == 0.0 and x.type == op.results[0].type:
+      return x
+    if _producer(x, "add") is not None and _rescalable(scale, x):
+      parts = []
+      for v in x.producer.operands:
+        mul = _fresh(module, "multiply", [scale_v, v], {}, v.shape, v.type.dtype, op.location)
+        parts.append(_simplified_and_placed(module, graph, mul))
+      return _emit(module, graph, op, "add", parts, {})
+    rescaled = _rescaled(module, graph, scale, x, op.location)
+    if rescaled is not None:
+      return rescaled
+  return None
+
+
+def divide_after_dot(module, graph, op: ir.Op) -> Optional[ir.Value]:
+  """dot(p / broadcast(l), v) -> dot(p, v) / broadcast(l): l scales rows of p
+  (dims the dot keeps), so it scales the same rows of the product."""
+  from graphguard_hlo.passes.canonicalize import _emit, _fresh, _simplified_and_placed
+  if op.name != "dot_general" or len(op.operands) != 2:
+    return None
+  for side in (0, 1):
+    div = _producer(op.operands[side], "divide")
+    if div is None:
+      continue
+    p, denom = div.operands
+    b = _producer(denom, "broadcast_in_dim")
+    if b is None:
+      continue
+    l = b.operands[0]
+    rows = _dot_rows(op, side)
+    dims = b.attrs["broadcast_dimensions"]
+    # l's dims must be kept dims of p, whole (a row scale, not a stretched one)
+    if any(d not in rows for d in dims) or any(
+        l.shape[i] != p.shape[d] for i, d in enumerate(dims)):
+      continue
+    out_dims = tuple(rows[d] for d in dims)
+    if list(out_dims) != sorted(out_dims):
+      continue  # (a transposing broadcast: not the canonical form)
+    out = op.results[0]
+    operands = list(op.operands)
+    operands[side] = p
+    dot = _fresh(module, "dot_general", operands, dict(op.attrs), out.shape, out.type.dtype,
+                 op.location)
+    scaled = _fresh(module, "broadcast_in_dim", [l], {"broadcast_dimensions": out_dims},
+                    out.shape, l.type.dtype, op.location)
+    return _emit(module, graph, op, "divide",
+                 [_simplified_and_placed(module, graph, dot),
+                  _simplified_and_placed(module, graph, scaled)], {})
+  return None
