@@ -12,8 +12,10 @@ from __future__ import annotations
 from typing import Optional
 
 from graphguard_hlo import ir
+from graphguard_hlo.ir import axis_base, axis_shift
 from graphguard_hlo.passes.collectives import COLLECTIVES
 from graphguard_hlo.passes.layout import Layout, scales_equal
+from graphguard_hlo.passes.transfer import ring_shift
 
 
 def _dname(v: ir.Value) -> str:
@@ -64,7 +66,7 @@ def _collective_words(inf, cls: int, layout: Layout) -> Optional[str]:
                 f"split over {_axes(axes)} along dim {split[0]} (shard concatenated on the "
                 f"wrong dim)")
     if op.name == "collective_permute" and set(axes or ()) & layout.split_axes() \
-        and not _ring_shift(op, inf.mesh):
+        and not ring_shift(op, inf.mesh):
       pairs = op.attrs.get("source_target_pairs")
       return (f"{name} at {loc} moves shards split over {_axes(axes)} to other ranks "
               f"(pairs {list(pairs)}): shards are permuted between ranks")
@@ -105,7 +107,7 @@ def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
             notes.append(f"{_dname(dv)}, where {_scale_words(lay.scale, inf.mesh)}")
           elif lay.partial:
             notes.append(f"{_dname(dv)}, a partial sum over {_axes(lay.partial)}")
-        elif dv.producer is not None:
+        elif dv.producer is not None and inf.deg.splat(c) is None:  # (constants match)
           notes.append(f"{_dname(dv)} (at {dv.producer.location}), which relates to no "
                        "sequential value")
       if notes:
@@ -139,16 +141,6 @@ def _pin_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
-def _ring_shift(op: ir.Op, mesh: ir.Mesh) -> Optional[int]:
-  """s if the collective-permute sends every rank r to r + s along its axis."""
-  axes, perm = op.attrs.get("gg.axes"), op.attrs.get("gg.permutation")
-  if not axes or not perm or len(axes) != 1:
-    return None
-  n = mesh.axis_size(axes[0])
-  shifts = {(dst - src) % n for src, dst in perm}
-  return shifts.pop() if len(shifts) == 1 and len(perm) == n else None
-
-
 def _ring_words(inf, op: ir.Op) -> Optional[str]:
   """A ring that writes a block at another block's place: the block in hand
   is tile r + j (after the ring's permutes) but is written at tile r + j'."""
@@ -167,7 +159,8 @@ def _ring_words(inf, op: ir.Op) -> Optional[str]:
         moved = d_op.operands[1].producer
         how = ""
         if moved is not None and moved.name == "collective_permute":
-          shift = _ring_shift(moved, inf.mesh)
+          ring = ring_shift(moved, inf.mesh)
+          shift = None if ring is None else ring[1]
           n = inf.mesh.axis_size(axis)
           step = "" if shift is None else f", r -> r {'+' if shift <= n // 2 else '-'} " \
               f"{shift if shift <= n // 2 else n - shift}"
@@ -177,6 +170,43 @@ def _ring_words(inf, op: ir.Op) -> Optional[str]:
                 f"{how} holds tile {held} of dim {k}, but the dynamic-update-slice at "
                 f"{d_op.location} writes it at tile {written}, so the buffer never holds "
                 f"the whole of %{v.id} (ring turning the wrong way, or offsets off by a step?)")
+  return None
+
+
+def _fold_words(inf, op: ir.Op) -> Optional[str]:
+  """A reduction over a dim whose blocks a ring passes round, with some
+  blocks never formed: the values a ring step combines disagree on which
+  block is in hand."""
+  if op.name not in ("reduce", "dot_general") or not inf.rings:
+    return None
+  dims = op.attrs["dimensions"] if op.name == "reduce" else op.attrs["lhs_contract"]
+  v = op.operands[0]
+  turns: dict[str, set[int]] = {}
+  for r in inf.relations.get(v.id, []):
+    names = [x for d in dims for x in r.layout.dims[d]]
+    if len(names) == 1 and axis_base(names[0]) in inf.rings:
+      turns.setdefault(axis_base(names[0]), set()).add(axis_shift(names[0]))
+  for axis, found in turns.items():
+    n = inf.mesh.axis_size(axis)
+    missing = sorted(set(range(n)) - found)
+    if not missing:
+      return (f"the per-device program holds every block {axis}+{{0..{n - 1}}} of %{v.id} "
+              f"that a ring passes round {axis!r}, but no sum (or max) of this "
+              f"{op.name}'s per-block results over exactly those blocks: an online "
+              f"softmax must rescale what it has summed by exp(m - m_new) whenever the "
+              f"running max grows (a rescale forgotten?)")
+    blocks = lambda js: "{" + ",".join(map(str, sorted(js))) + "}"
+    permute = next((d for d in inf.dist.graph.walk() if d.name == "collective_permute"
+                    and ring_shift(d, inf.mesh) is not None
+                    and ring_shift(d, inf.mesh)[0] == axis), None)
+    ring = "" if permute is None else (
+        f"; the ring's collective-permute at {permute.location} sends r -> r + "
+        f"{ring_shift(permute, inf.mesh)[1]} (mod {n})")
+    return (f"the {op.name} over dims {list(dims)} of %{v.id} runs over blocks a ring "
+            f"passes round {axis!r}: the per-device program holds blocks {axis}+"
+            f"{blocks(found)} of it but never {axis}+{blocks(missing)}: at those steps the "
+            f"values it combines hold different blocks (keys vs. mask offsets: a ring "
+            f"turning the wrong way, or offsets for another step?){ring}")
   return None
 
 
@@ -205,7 +235,8 @@ def diagnose_op(inf, op: ir.Op):
   from graphguard_hlo.passes.inference import Failure
   inputs = [(f"%{v.id}: {v.type}", inf.describe(v)) for v in op.operands]
   problems = _operand_problems(inf, op)
-  for words in (_ring_words(inf, op), _pin_words(inf, op), _iota_words(inf, op)):
+  for words in (_ring_words(inf, op), _fold_words(inf, op), _pin_words(inf, op),
+                _iota_words(inf, op)):
     if words:
       problems.append(words)
   counterpart = _counterpart_words(inf, op)

@@ -42,7 +42,8 @@ def test_names_and_metadata():
                                    "wrong_gather_dim", "double_counted_grad",
                                    "grad_not_allreduced", "dispatch_to_wrong_rank",
                                    "wrong_replica_groups", "mask_no_offset",
-                                   "kv_gathered_over_wrong_axis", "wrong_permutation"}
+                                   "kv_gathered_over_wrong_axis", "wrong_permutation",
+                                   "output_not_rescaled"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "sp", "dp_tp", "cp", "dp_tp_cp"):
       for style in ("shard_map", "gspmd"):

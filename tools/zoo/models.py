@@ -136,6 +136,10 @@ class Parallel:
   # queries against all keys.
   gather_kv: Callable = _no_gather
   causal_mask: Callable = lower_triangle
+  # Ring attention: (q, k, v) -> causal attention of this device's queries,
+  # computed round a ring of k/v blocks instead of over gathered k/v (None:
+  # ``causal_attention`` of gathered k/v).
+  attend: Optional[Callable] = None
   # per-token nll [b, s] -> scalar loss
   combine_loss: Callable = jnp.mean
   # MoE: tokens [experts, b, s, d] held by token owners -> by expert owners,
@@ -312,8 +316,11 @@ def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
     q = (a @ w("wq") + w("bq")).reshape(b, s, -1, hd)
     k = (a @ w("wk") + w("bk")).reshape(b, s, -1, hd)
     v = (a @ w("wv") + w("bv")).reshape(b, s, -1, hd)
-    k, v = par.gather_kv(k), par.gather_kv(v)
-    attn = causal_attention(q, k, v, par.causal_mask) @ w("wo")
+    if par.attend is not None:
+      attn = par.attend(q, k, v) @ w("wo")
+    else:
+      k, v = par.gather_kv(k), par.gather_kv(v)
+      attn = causal_attention(q, k, v, par.causal_mask) @ w("wo")
     h = h + (par.reduce_attn(attn) + w("bo"))
     m = par.gather_seq(layernorm(h, w("ln2_g"), w("ln2_b")))
     mlp = jax.nn.gelu(m @ w("w_fc") + w("b_fc"), approximate=True) @ w("w_proj")
@@ -337,6 +344,8 @@ def _gqa_attention(a, wq, wk, wv, cos, sin, cfg: Config, par: Parallel):
   k = (a @ wk).reshape(b, s, -1, hd)
   v = (a @ wv).reshape(b, s, -1, hd)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  if par.attend is not None:  # the kv heads repeated before they go round
+    return par.attend(q, repeat_kv(k, cfg.kv_groups), repeat_kv(v, cfg.kv_groups))
   k, v = par.gather_kv(k), par.gather_kv(v)
   n_q = q.shape[2]
   k = par.local_heads(par.repeat_kv(k, cfg.kv_groups), n_q)

@@ -28,6 +28,13 @@
   * ``dp_tp_cp``: a 2x2x2 ("dp", "tp", "cp") mesh: the batch over "dp", the
     sequence over "cp", Megatron TP on "tp"; the loss a pmean over dp and cp.
 
+  * ``cp_ring``: ``cp`` with k and v passed round a ring of ``ppermute``s
+    into a buffer (each block written at its place) instead of all-gathered.
+  * ``ring_attention``: ``cp`` with ring attention (Liu et al.): k/v blocks go
+    round the ring and each step folds its block of scores into an online
+    softmax (running max, denominator, output, rescaled by exp(m - m')).
+    Both shard_map only (the ring is the hand-written part), forward only.
+
   * ``pp``: pipeline parallelism on "pp" (4 stages): 8 layers with stacked
     parameters split over the stages by layer, two per stage; the stages
     unrolled, each round every stage runs its layers and ``ppermute``s the
@@ -154,6 +161,46 @@ def _ring_gather_seq(axis_name, shift=1):
         x = lax.ppermute(x, axis_name, [(i, (i + shift) % n) for i in range(n)])
     return buf
   return gather
+
+
+def _ring_attention(axis_name, shift=1, rescale_output=True):
+  """Ring attention (Liu et al.) for causal attention: k/v blocks go round
+  the ring; each step scores this rank's queries against the block in hand,
+  masked at both blocks' offsets, and folds it into an online softmax (running
+  row max m, denominator l, output o, rescaled by exp(m - m_new)).
+  ``shift=-1`` is the bug: blocks go to rank r - 1 while the masks assume they
+  came from it.  ``rescale_output=False``, the other: o is not rescaled when
+  the running max grows (l is), so earlier blocks keep too large a weight."""
+  def attend(q, k, v):
+    b, s, h, hd = q.shape
+    n = lax.axis_size(axis_name)
+    r = lax.axis_index(axis_name)
+    rows = jnp.arange(s, dtype=jnp.int32) + r * s
+    m = jnp.full((b, h, s), -jnp.inf, jnp.float32)
+    l = jnp.zeros((b, h, s), jnp.float32)
+    o = jnp.zeros((b, h, s, hd), jnp.float32)
+    for t in range(n):
+      cols = jnp.arange(s, dtype=jnp.int32) + ((r - t) % n) * s
+      scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(np.sqrt(hd))
+      scores = jnp.where(rows[:, None] >= cols[None, :], scores, np.float32(-1e9))
+      m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+      rescale = jnp.exp(m - m_new)
+      p = jnp.exp(scores - m_new[..., None])
+      l = rescale * l + jnp.sum(p, axis=-1)
+      kept = rescale[..., None] * o if rescale_output else o
+      o = kept + jnp.einsum("bhst,bthd->bhsd", p, v)
+      m = m_new
+      if t < n - 1:
+        perm = [(i, (i + shift) % n) for i in range(n)]
+        k, v = lax.ppermute(k, axis_name, perm), lax.ppermute(v, axis_name, perm)
+    out = o / l[..., None]
+    return out.transpose(0, 2, 1, 3).reshape(b, s, h * hd)
+  return attend
+
+
+def _ring_attention_par(shift=1, rescale_output=True):
+  """``cp`` with ring attention instead of gathered k/v."""
+  return dataclasses.replace(_cp_par(), attend=_ring_attention("cp", shift, rescale_output))
 
 
 def _ring_par(shift=1):
@@ -329,6 +376,8 @@ PP = _Strategy("pp", (4,), ("pp",), P(), _no_param_specs, _pp_par,
 # Context parallelism with keys and values passed round a ring of ppermutes
 # (shard_map only: the ring is the hand-written part; under GSPMD it is ``cp``).
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
+RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
+                           _ring_attention_par)
 
 # Expert parallelism: llama3 only (its MLP is the MoE layer), 4 experts.
 EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
@@ -669,6 +718,23 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                "wrong_permutation", "dot_general"))
   built.append(_shard_map_case("llama3", CP_RING, cfg, "wrong_permutation",
                                _ring_par(shift=-1), "wrong_permutation", "broadcast_in_dim"))
+  # Ring attention (online softmax round the ring), and the ring turning the
+  # wrong way: the masks assume blocks came from rank r - 1, the keys came
+  # from r + 1; only the blocks where the two agree (t = 0, 2) are formed, so
+  # the first op needing every block, the softmax's row max, gets nothing.
+  ring_attention_scan = _scanned(RING_ATTENTION)
+  for model in MODELS:
+    built.append(_shard_map_case(model, RING_ATTENTION, cfg, "ok", RING_ATTENTION.par()))
+    built.append(_shard_map_case(model, ring_attention_scan, cfg, "ok",
+                                 ring_attention_scan.par()))
+    built.append(_shard_map_case(model, RING_ATTENTION, cfg, "wrong_permutation",
+                                 _ring_attention_par(shift=-1), "wrong_permutation", "reduce"))
+  # The output not rescaled when the running max grows: the row max and the
+  # denominator are right, the first op reading the output's sum is the
+  # probabilities' matmul with v.
+  built.append(_shard_map_case("gpt2", RING_ATTENTION, cfg, "output_not_rescaled",
+                               _ring_attention_par(rescale_output=False),
+                               "output_not_rescaled", "dot_general"))
   # Layers stacked under lax.scan: proved by one inductive step of the loop.
   for model in MODELS:
     for strategy in _STRATEGIES.values():
