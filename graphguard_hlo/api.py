@@ -59,10 +59,11 @@ def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_spe
     import jax
     out_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs,
                                  is_leaf=lambda s: s is None or type(s).__name__ == "PartitionSpec")
-  seq = prepare_seq(lower_sequential(seq_fn, *example_args, name=_name(seq_fn)))
+  seq = lower_sequential(seq_fn, *example_args, name=_name(seq_fn))
   dist = lower_distributed(dist_fn, *dist_args, out_shardings=out_shardings,
                            name=_name(dist_fn))
   program = prepare_dist(dist)
+  prepare_seq(seq, program)
   return verify_programs(seq, program, _input_layouts(relation, seq, program))
 
 
@@ -72,8 +73,8 @@ def verify_files(seq_path: str, dist_path: str, relation: Optional[str] = None,
   from graphguard_hlo.loaders import load_module
   from graphguard_hlo.passes.inference import verify_programs
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
-  seq = prepare_seq(load_module(seq_path))
   program = prepare_dist(load_module(dist_path), num_partitions)
+  seq = prepare_seq(load_module(seq_path), program)
   return verify_programs(seq, program, _input_layouts(relation, seq, program))
 
 

@@ -61,8 +61,8 @@ def _run(args) -> int:
   if not args.quiet and args.format == "text":
     print(f"SEQ  {seq.summary()}")
     print(f"DIST {dist.summary()}")
-  prepare_seq(seq)
   program = prepare_dist(dist, args.num_partitions)
+  prepare_seq(seq, program)
   layouts = program.param_layouts
   if args.relation:
     try:

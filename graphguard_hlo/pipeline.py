@@ -6,8 +6,9 @@ from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.gcutil import without_cyclic_gc
-from graphguard_hlo.passes.dist_program import canonicalize_dist, needs_partitioning
-from graphguard_hlo.passes.canonicalize import canonicalize_module
+from graphguard_hlo.passes.dist_program import DistProgram, canonicalize_dist, needs_partitioning
+from graphguard_hlo.passes.canonicalize import canonicalize_graph, canonicalize_module
+from graphguard_hlo.passes.transfer import ring_axes
 from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.passes.inference import Result, verify_programs
 from graphguard_hlo.passes.layout import Layout
@@ -23,19 +24,27 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
     dist = partition_stablehlo_text(dist.path, text, num_partitions or dist.num_partitions)
   inline_calls(dist)
   canonicalize_module(dist)
-  return canonicalize_dist(dist, num_partitions)
+  program = canonicalize_dist(dist, num_partitions)
+  # Rings are seen once collectives read as mesh axes: then the ring forms
+  # (canonicalize.RING_PATTERNS) for this program, and for the sequential one.
+  program.rings = ring_axes(program.graph, program.mesh)
+  if program.rings:
+    canonicalize_graph(dist, program.graph, rings=True)
+  return program
 
 
 @without_cyclic_gc
-def prepare_seq(seq: ir.Module) -> ir.Module:
+def prepare_seq(seq: ir.Module, program: Optional[DistProgram] = None) -> ir.Module:
+  """``program``: the per-device program it is checked against, prepared
+  first (its rings ask for the ring forms here too)."""
   inline_calls(seq)
-  canonicalize_module(seq)
+  canonicalize_module(seq, rings=bool(program is not None and program.rings))
   return seq
 
 
 @without_cyclic_gc
 def verify_modules(seq: ir.Module, dist: ir.Module, input_layouts: Optional[list[Layout]] = None,
                    num_partitions: Optional[int] = None) -> Result:
-  prepare_seq(seq)
   program = prepare_dist(dist, num_partitions)
+  prepare_seq(seq, program)
   return verify_programs(seq, program, input_layouts)

@@ -145,7 +145,8 @@ def verify_and_check(seq: ir.Module, dist: ir.Module, seed: int = 0,
   """(Result, RelationCheck) for two loaded modules."""
   from graphguard_hlo.passes.inference import RelationInference
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
-  prepare_seq(seq)
-  inference = RelationInference(seq, prepare_dist(dist), input_layouts)
+  program = prepare_dist(dist)
+  prepare_seq(seq, program)
+  inference = RelationInference(seq, program, input_layouts)
   result = inference.run()
   return result, check_relations(inference, seed)

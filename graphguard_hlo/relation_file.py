@@ -76,7 +76,7 @@ def _parse_layout(path, lineno, line, col0, spec, rank, axes) -> Layout:
       partial = names
     col += len(item)
   layout = Layout(tuple(dims), partial)
-  if not layout.is_valid():
+  if not layout.is_valid() or not layout.is_plain():  # (plain: no axis tiles two dims)
     raise InputError(path, "an axis is used twice in one layout", lineno, col0 + 1)
   return layout
 

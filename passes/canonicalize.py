@@ -22,10 +22,9 @@ before anything is compared:
   transpose(all_to_all(x, k -> k), p)     -> reshape(transpose(all_to_all(x, k -> c), p))
   all_to_all(reshape(v), k -> c)          -> reshape(all_to_all(v, s -> c'))
   reduce over size-1 dims (identity init) -> reshape
-  max(x, -inf), min(x, +inf)              -> x
-  dot(a, b), b first by its dims          -> transpose(dot(b, a))
-  the online softmax, telescoped          (online_softmax.py)
-  (p / l) @ v                             -> (p @ v) / l
+  dot(a, b), b first by its dims          -> transpose(dot(b, a))   (rings only)
+  the online softmax, telescoped          (online_softmax.py; rings only)
+  (p / l) @ v                             -> (p @ v) / l            (rings only)
 
 Each is an identity of the ops' semantics (tested in tests/test_canonicalize.py).
 """
@@ -258,18 +257,6 @@ def _dot_operand_order(module, graph, op) -> Optional[ir.Value]:
                {"permutation": perm})
 
 
-def _max_with_identity(module, graph, op) -> Optional[ir.Value]:
-  """max(x, -inf) -> x, min(x, +inf) -> x (``jnp.max(..., initial=-inf)``)."""
-  identity = {"maximum": -float("inf"), "minimum": float("inf")}.get(op.name)
-  if identity is None or len(op.operands) != 2:
-    return None
-  from graphguard_hlo.passes.terms import splat_value
-  for x, other in (op.operands, op.operands[::-1]):
-    if splat_value(other) == identity and x.type == op.results[0].type:
-      return x
-  return None
-
-
 def _offset_before_broadcast(module, graph, op) -> Optional[ir.Value]:
   """broadcast(x, d) + broadcast(c) -> broadcast(x + broadcast(c), d), c a scalar.
 
@@ -426,9 +413,18 @@ PATTERNS: tuple[Pattern, ...] = (
     _transpose_of_unit_dims,
     _transpose_through_all_reduce,
     _broadcast_expanding_units,
-    _iota_as_broadcast, _add_zero, _max_with_identity, _offset_before_broadcast,
+    _iota_as_broadcast, _add_zero, _offset_before_broadcast,
     _select_of_true_false,
-    _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims,
+    _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims)
+
+# Where the per-device program passes blocks round a ring (ring attention):
+# the online softmax telescoped, the sequential softmax dividing after its
+# matmul to meet it, and one operand order for a product (the two programs'
+# einsums spell p @ v differently).  Only there: elsewhere both programs
+# already agree, and a rewrite that fires in one but not the other (on a
+# dot whose local dims are units, a GSPMD partial sum's division) would part
+# what matched.
+RING_PATTERNS: tuple[Pattern, ...] = (
     _dot_operand_order,  # before divide_after_dot: it rewrites the dot in order
     online_softmax.online_rescale, online_softmax.divide_after_dot)
 
@@ -441,25 +437,27 @@ def _emit(module, graph, op, name, operands, attrs) -> ir.Value:
 
 
 def _simplify(module: ir.Module, graph: ir.Graph, op: ir.Op) -> Optional[ir.Value]:
-  for pattern in PATTERNS:
+  for pattern in graph.patterns:  # type: ignore[attr-defined]
     result = pattern(module, graph, op)
     if result is not None:
       return result
   return None
 
 
-def canonicalize_graph(module: ir.Module, graph: ir.Graph) -> int:
-  """Rewrite ``graph`` in place to the normal form; returns the rewrite count."""
+def canonicalize_graph(module: ir.Module, graph: ir.Graph, rings: bool = False) -> int:
+  """Rewrite ``graph`` in place to the normal form (with ``rings``, also
+  ``RING_PATTERNS``); returns the rewrite count."""
   replace: dict[int, ir.Value] = {}
   out: list[ir.Op] = []
   original = {id(op) for op in graph.ops}
   rewrites = 0
   graph.ops_to_place = []  # type: ignore[attr-defined]
   graph.known_ops = set(original)  # type: ignore[attr-defined]
+  graph.patterns = PATTERNS + (RING_PATTERNS if rings else ())  # type: ignore[attr-defined]
   for op in graph.ops:
     op.operands = [replace.get(v.id, v) for v in op.operands]
     for region in op.regions:
-      rewrites += canonicalize_graph(module, region)
+      rewrites += canonicalize_graph(module, region, rings)
     current = op
     final = None
     while len(current.results) == 1:
@@ -482,7 +480,7 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph) -> int:
       final = current.results[0] if len(current.results) == 1 else None
     if final is not None and final is not op.results[0]:
       replace[op.results[0].id] = final
-  del graph.ops_to_place, graph.known_ops  # type: ignore[attr-defined]
+  del graph.ops_to_place, graph.known_ops, graph.patterns  # type: ignore[attr-defined]
   graph.results = [replace.get(v.id, v) for v in graph.results]
   graph.ops = _without_dead_ops(out, graph.results)
   return rewrites
@@ -540,11 +538,11 @@ def _drop_dead_ops(g: ir.Graph) -> None:
       _drop_dead_ops(region)
 
 
-def canonicalize_module(module: ir.Module) -> int:
+def canonicalize_module(module: ir.Module, rings: bool = False) -> int:
   from graphguard_hlo.passes.loop_copies import forward_stacked_copies
   rewrites = 0
   for g in module.functions.values():
-    rewrites += canonicalize_graph(module, g)
+    rewrites += canonicalize_graph(module, g, rings)
     if forward_stacked_copies(module, g):
       rewrites += 1
       _drop_dead_ops(g)

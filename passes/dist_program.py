@@ -35,6 +35,8 @@ class DistProgram:
   kind: str                            # "shard_map" | "spmd"
   # Parameters known to hold one constant (loop-invariant splat carries).
   param_splats: dict[int, float] = dataclasses.field(default_factory=dict)
+  # Mesh axes a ring of collective-permutes passes blocks round.
+  rings: frozenset = frozenset()
 
 
 def is_manual(module: ir.Module) -> bool:

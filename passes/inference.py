@@ -36,7 +36,7 @@ from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.ir import axis_base, axis_shift
 from graphguard_hlo.passes.lemmas import ELEMENTWISE, SeqOp, Step, apply_lemmas, is_modelled
 from graphguard_hlo.passes.rank_arith import RankArithmetic
-from graphguard_hlo.passes.transfer import Transfer, ring_axes
+from graphguard_hlo.passes.transfer import Transfer
 
 MAX_RELATIONS_PER_VALUE = 24
 MAX_COMBINATIONS = 256
@@ -134,7 +134,7 @@ class RelationInference:
     self.users = op_users(dist.graph, self.deg)
     self.arith = RankArithmetic(self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
-    self.rings = ring_axes(dist.graph, self.mesh)
+    self.rings = self.transfer.rings
     self.relations: dict[int, list[Relation]] = {}
     self._transfer_memo: dict[tuple, list[Relation]] = {}
     self._step_memo: dict[tuple, list] = {}
@@ -172,6 +172,8 @@ class RelationInference:
           Relation(cls, layout, how)
           for op in self.users.get(r.cls, ())
           for cls, layout, how in self.transfer.apply(op, r.cls, r.layout, tile)))
+      if self.rings and set(r.layout.partial) & self.rings:
+        found += [Relation(*new) for new in self.transfer.ring_sums(r.cls, r.layout)]
       self._transfer_memo[key] = found
     return found
 
@@ -299,6 +301,7 @@ class RelationInference:
                    op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh,
                    self.rings)
     self._scale_by_constant(op)
+    self._with_identity(op)
     if op.name == "iota":
       for cls, layout in self.transfer.offset_iotas(op.results[0].type, op.attrs):
         self.add_relation(op.results[0], Relation(cls, layout, "iota-plus-rank-offset"))
@@ -488,6 +491,18 @@ class RelationInference:
       if found is not None:
         return found
     return None
+
+  def _with_identity(self, op: ir.Op) -> None:
+    """max(s, -inf) and min(s, +inf) are s (``jnp.max(..., initial=-inf)``):
+    they relate wherever s does.  Read here rather than canonicalized away,
+    since either program may hold the constant as a loop's invariant carry."""
+    identity = {"maximum": -math.inf, "minimum": math.inf}.get(op.name)
+    if identity is None or len(op.operands) != 2:
+      return
+    for s, other in (op.operands, op.operands[::-1]):
+      if self.splats.get(other.id) == identity and s.id not in self.splats:
+        for r in list(self.relations.get(s.id, [])):
+          self.add_relation(op.results[0], Relation(r.cls, r.layout, f"{op.name}-identity"))
 
   def _scale_by_constant(self, op: ir.Op) -> None:
     """s * c, s / c and -s relate wherever s does, with the scale adjusted."""

@@ -64,7 +64,7 @@ class RankArithmetic:
       self.partition_id()  # coordinates below assume iota device order
     except NotImplementedError:
       return None
-    table = partition_id_table(v, self.mesh.size)
+    table = partition_id_table(v, self.mesh.size, aliases=self.aliases)
     if table is None:
       return None
     coords = np.indices([n for _, n in self.mesh.axes]).reshape(len(self.mesh.axes), -1)
@@ -84,7 +84,7 @@ class RankArithmetic:
       self.partition_id()  # the digits below assume iota device order
     except NotImplementedError:
       return None
-    table = partition_id_table(v, self.mesh.size)
+    table = partition_id_table(v, self.mesh.size, aliases=self.aliases)
     form = None if table is None else table_form(table)
     if form is None:
       return None
@@ -238,12 +238,17 @@ _TABLE_OPS = ("constant", "partition_id", "reshape", "convert", "broadcast_in_di
               "dynamic_slice", "compare", "select", "and", "or", "negate", "abs", "sign")
 
 
-def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None) -> Optional[np.ndarray]:
+def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None,
+                       aliases: Optional[dict] = None) -> Optional[np.ndarray]:
   """``v`` (an integer scalar) on each of the ``n`` partitions, if it is
-  computed from partition-id and constants only."""
+  computed from partition-id and constants only (``aliases``: loop-body
+  parameters that hold an outer value, read through)."""
   memo = {} if _memo is None else _memo
   if v.id in memo:
     return memo[v.id]
+  if aliases and v.producer is None and v.id in aliases:
+    memo[v.id] = out = partition_id_table(aliases[v.id], n, memo, aliases)
+    return out
   memo[v.id] = None
   op = v.producer
   out = None
@@ -258,20 +263,20 @@ def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None) -> Opt
       t = table_v.producer
       if t is not None and t.name == "constant" and len(idx) == 1:
         table = np.asarray(t.attrs["value"]).reshape(-1)
-        i = partition_id_table(idx[0], n, memo)
+        i = partition_id_table(idx[0], n, memo, aliases)
         if i is not None and table.dtype.kind in "iu":
           out = table[np.clip(i, 0, len(table) - 1)].astype(np.int64)
     elif op.name == "compare":
-      args = [partition_id_table(a, n, memo) for a in op.operands]
+      args = [partition_id_table(a, n, memo, aliases) for a in op.operands]
       holds = COMPARISONS.get(op.attrs.get("comparison_direction"))
       if all(a is not None for a in args) and holds is not None:
         out = np.asarray(holds(*args), dtype=np.int64)
     elif op.name == "select":
-      args = [partition_id_table(a, n, memo) for a in op.operands]
+      args = [partition_id_table(a, n, memo, aliases) for a in op.operands]
       if all(a is not None for a in args):
         out = np.where(args[0] != 0, args[1], args[2])
     else:
-      args = [partition_id_table(a, n, memo) for a in op.operands]
+      args = [partition_id_table(a, n, memo, aliases) for a in op.operands]
       if all(a is not None for a in args):
         out = _apply(op.name, args)
   memo[v.id] = out

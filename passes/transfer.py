@@ -80,15 +80,35 @@ class Transfer:
         op for op in graph.ops
         if op.name == "add" and any(v.producer is not None and v.producer.name == "iota"
                                     for v in op.operands)]
-    # Per-device `dynamic_update_slice`s writing one tile at a ring's offset:
-    # op -> (dim, axis, j), and by the classes of their buffer and update.
-    self.ring_writes = {id(op): w for op in graph.ops if op.name == "dynamic_update_slice"
-                        for w in [self._written_tile(op)] if w is not None}
-    self.ring_writes_by_class: dict[int, list[ir.Op]] = {}
-    for op in graph.ops:
-      if id(op) in self.ring_writes:
-        for v in op.operands[:2]:
-          self.ring_writes_by_class.setdefault(deg.of(v), []).append(op)
+    self.rings = ring_axes(graph, mesh)
+    self.graph = graph
+    self._users = None
+    self._ring_writes: Optional[tuple[dict, dict]] = None
+
+  # Per-device `dynamic_update_slice`s writing one tile at a ring's offset:
+  # op -> (dim, axis, j), and by the classes of their buffer and update.  Read
+  # on first use: a loop body's inference learns its invariant carries (the
+  # offsets jax hoists out of the loop) after this object is made.
+  @property
+  def ring_writes(self) -> dict[int, tuple[int, str, int]]:
+    return self._ring_write_index()[0]
+
+  @property
+  def ring_writes_by_class(self) -> dict[int, list[ir.Op]]:
+    return self._ring_write_index()[1]
+
+  def _ring_write_index(self) -> tuple[dict, dict]:
+    if self._ring_writes is None:
+      writes = {} if not self.rings else {
+          id(op): w for op in self.graph.ops if op.name == "dynamic_update_slice"
+          for w in [self._written_tile(op)] if w is not None}
+      by_class: dict[int, list[ir.Op]] = {}
+      for op in self.graph.ops:
+        if id(op) in writes:
+          for v in op.operands[:2]:
+            by_class.setdefault(self.deg.of(v), []).append(op)
+      self._ring_writes = writes, by_class
+    return self._ring_writes
 
   # Rules that read dimension numbers of the per-device value: they need its
   # shape to be the tile's exactly, not merely equal up to unit dims.
@@ -376,6 +396,87 @@ class Transfer:
     if found is None or base.shape[k] != update.shape[k] * self.mesh.axis_size(found[0]):
       return None
     return k, found[0], found[1]
+
+  def _read_tile(self, op: ir.Op) -> Optional[tuple[int, str, int]]:
+    """(k, x, j) if the dynamic-slice ``op`` reads one tile along dim k only,
+    at offset ``((r_x + j) mod |x|) * size`` (a ring reading what it sends)."""
+    operand, *offsets = op.operands
+    sizes = op.attrs["slice_sizes"]
+    cut = [k for k, (n, full) in enumerate(zip(sizes, operand.shape)) if n != full]
+    if len(cut) != 1:
+      return None
+    (k,) = cut
+    found = self.arith.rotated_tile(offsets[k], sizes[k])
+    if found is None or operand.shape[k] != sizes[k] * self.mesh.axis_size(found[0]):
+      return None
+    return k, found[0], found[1]
+
+  def ring_sums(self, cls: int, l: Layout) -> Iterator[tuple[int, Layout, str]]:
+    """A partial sum over a ring axis x, reduce-scattered round the ring (the
+    transpose of a ring gather): rank r takes tile r + j of its piece, passes
+    it on, adds the tile the next rank took, ...  A per-device value there is
+    ``sum over rho in R of G@(r + rho)[tile r + tau]`` (G the related value);
+    with R every rank and tau = 0 it is tile r of the whole sum.
+
+    Tracked through the per-device program from G: dynamic-slices at a ring's
+    offsets start a term (tau = j, R = {0}) unless a zero write erased that
+    tile of G first; a ring permute r -> r + s turns (tau, R) by -s; an add of
+    two terms at one tau and disjoint R unites them."""
+    if l.partial_kind != "sum" or l.at or not l.is_plain():
+      return
+    for x in set(l.partial) & self.rings:
+      n = self.mesh.axis_size(x)
+      erased = {cls: frozenset()}   # G with zeros written over some tiles
+      terms: dict[int, set] = {}    # class -> {(k, tau, R)}
+      work: list[tuple[int, object]] = [(cls, None)]
+      steps = 0
+      while work and steps < 4096:
+        steps += 1
+        c, term = work.pop()
+        for op in self._users_of(c):
+          out = self.deg.of(op.results[0]) if op.results else None
+          found = []
+          if term is None:  # c is G, or G with tiles erased
+            if op.name == "dynamic_slice" and self.deg.of(op.operands[0]) == c:
+              read = self._read_tile(op)
+              if read is not None and read[1] == x and not l.dims[read[0]] \
+                  and read[2] not in erased[c]:
+                found.append((read[0], read[2], frozenset({0})))
+            elif op.name == "dynamic_update_slice" and self.deg.of(op.operands[0]) == c:
+              written = self.ring_writes.get(id(op))
+              if written is not None and written[1] == x and \
+                  self.deg.splat(self.deg.of(op.operands[1])) == 0.0 and out not in erased:
+                erased[out] = erased[c] | {written[2]}
+                work.append((out, None))
+          else:
+            k, tau, R = term
+            ring = ring_shift(op, self.mesh) if op.name == "collective_permute" else None
+            if ring is not None and ring[0] == x:
+              s_ = ring[1]
+              found.append((k, (tau - s_) % n, frozenset((p - s_) % n for p in R)))
+            elif op.name == "add" and len(op.operands) == 2:
+              a, b = (self.deg.of(v) for v in op.operands)
+              other = b if a == c else a
+              for k2, tau2, R2 in terms.get(other, ()):
+                if (k2, tau2) == (k, tau) and not R & R2:
+                  found.append((k, tau, R | R2))
+          for t in found:
+            if t in terms.setdefault(out, set()):
+              continue
+            terms[out].add(t)
+            work.append((out, t))
+            k, tau, R = t
+            if len(R) == n:
+              dims = list(l.dims)
+              dims[k] = (rotated(x, tau, n),)
+              yield out, l.with_(dims=tuple(dims), partial=tuple(
+                  a for a in l.partial if a != x)), "ring-reduce-scatter"
+
+  def _users_of(self, c: int) -> list[ir.Op]:
+    if self._users is None:
+      from graphguard_hlo.passes.dist_egraph import op_users
+      self._users = op_users(self.graph, self.deg)
+    return self._users.get(c, [])
 
   def _written_known(self, op, written, l: Layout) -> Optional[Layout]:
     """The update tiled along dim k by exactly x turned by j, written at tile

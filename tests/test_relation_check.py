@@ -26,7 +26,8 @@ def test_every_inferred_relation_holds_numerically(case):
 
 def _inference(name):
   seq, dist = cases.get(name).modules()
-  inference = RelationInference(prepare_seq(seq), prepare_dist(dist))
+  program = prepare_dist(dist)
+  inference = RelationInference(prepare_seq(seq, program), program)
   assert inference.run().refines
   return inference
 

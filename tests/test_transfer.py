@@ -677,6 +677,73 @@ def test_ring_of_permutes_fills_a_buffer():
   hits.check(0.2)
 
 
+def test_ring_reduce_scatter_sums_the_pieces():
+  """The transpose of a ring gather, as autodiff writes it: each step reads
+  tile r + j of the (partial) buffer at a ring offset, zeroes it, and adds
+  what came round the ring (passed r -> r - 1).  After |x| steps rank r holds
+  tile r of the whole sum; every relation the rule gives holds on a run, and
+  a wrong offset or direction gives no whole tile."""
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    big = [a for a, n in mesh.axes if n > 1]
+    if not big:
+      hits.add([])
+      return
+    axis = data.draw(st.sampled_from(big))
+    n = mesh.axis_size(axis)
+    layout = _off_axis(layout, axis)
+    layout = layout.with_(partial=tuple(sorted(layout.partial + (axis,))), partial_kind="sum",
+                          scale=1.0)
+    k = data.draw(st.integers(0, len(shape) - 1))
+    layout = layout.with_(dims=tuple(() if d == k else axes
+                                     for d, axes in enumerate(layout.dims)))
+    shape[k] = n * data.draw(st.integers(1, 2))
+    lshape = local(layout, shape, mesh)
+    tile = list(lshape)
+    tile[k] //= n
+    bad = data.draw(st.sampled_from(["none", "none", "offset", "direction"]))
+    if bad == "direction" and n == 2:
+      bad = "none"  # r + 1 is r - 1 on two ranks
+    back = 1 if bad == "direction" else n - 1  # r -> r - 1, as the transpose sends
+    prog = Program(mesh, lshape)
+    zeros = prog.add("broadcast_in_dim", [prog.const(0.0, "f32")], tile,
+                     attrs={"broadcast_dimensions": ()}).result
+    buf, acc = prog.param, None
+    for t in reversed(range(n)):  # the transpose runs the ring backwards
+      j = (-t + (1 if bad == "offset" and t == 1 else 0)) % n
+      offsets = [ring_offset(prog, axis, j, tile[k]) if d == k else prog.const(0, "i32")
+                 for d in range(len(shape))]
+      piece = prog.add("dynamic_slice", [buf] + offsets, tile,
+                       attrs={"slice_sizes": tuple(tile)}).result
+      buf = prog.add("dynamic_update_slice", [buf, zeros] + offsets, lshape).result
+      if acc is not None:
+        pairs = [(i, (i + back) % n) for i in range(n)]
+        moved = prog.add("collective_permute", [acc], tile, attrs=permute_attrs(axis, pairs))
+        piece = prog.add("add", [moved.result, piece], tile).result
+      acc = piece
+    prog.graph.results = [acc]
+    deg = DistEGraph(prog.graph)
+    rules = Transfer(deg, RankArithmetic(mesh), mesh, prog.graph)
+    news = list(rules.ring_sums(deg.of(prog.param), layout))
+    value = values(shape, seed)
+    rng = np.random.default_rng(seed)
+    env = prog.run(shard(layout, mesh, value, rng))
+    by_class = {deg.of(v): v for op in prog.graph.ops for v in op.results}
+    for cls, new, _ in news:
+      got = assemble(new, mesh, env[by_class[cls].id])
+      np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-6, err_msg=str(new))
+    whole = [new for cls, new, _ in news if cls == deg.of(acc) and new.dims[k] == (axis,)]
+    assert bool(whole) == (bad == "none"), (bad, news)
+    hits.add(whole)
+
+  check()
+  hits.check(0.3)
+
+
 # -- products with constants ----------------------------------------------------------------
 
 def times_constant(prog: Program, c: float, form: str) -> ir.Op:

@@ -33,7 +33,8 @@
   * ``ring_attention``: ``cp`` with ring attention (Liu et al.): k/v blocks go
     round the ring and each step folds its block of scores into an online
     softmax (running max, denominator, output, rescaled by exp(m - m')).
-    Both shard_map only (the ring is the hand-written part), forward only.
+    Both shard_map only (the ring is the hand-written part); ``cp_ring``
+    also forward+backward (its gather transposes to a ring reduce-scatter).
 
   * ``pp``: pipeline parallelism on "pp" (4 stages): 8 layers with stacked
     parameters split over the stages by layer, two per stage; the stages
@@ -710,10 +711,14 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # Keys and values round a ring, and the ring turning the wrong way: blocks
   # land at other blocks' places; the first op reading the gathered keys is
   # the scores' dot_general (Llama: the kv heads' repeat, a broadcast_in_dim).
+  # Forward+backward: the ring gather transposes to a ring reduce-scatter.
   ring_scan = _scanned(CP_RING)
   for model in MODELS:
     built.append(_shard_map_case(model, CP_RING, cfg, "ok", CP_RING.par()))
     built.append(_shard_map_case(model, ring_scan, cfg, "ok", ring_scan.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, CP_RING, cfg))
+      built.append(_shard_map_grad_case(model, ring_scan, cfg))
   built.append(_shard_map_case("gpt2", CP_RING, cfg, "wrong_permutation", _ring_par(shift=-1),
                                "wrong_permutation", "dot_general"))
   built.append(_shard_map_case("llama3", CP_RING, cfg, "wrong_permutation",
