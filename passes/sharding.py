@@ -12,6 +12,7 @@ Two sources:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from typing import Iterable, Optional, Sequence
@@ -256,6 +257,29 @@ def group_axes(groups: Sequence[Sequence[int]], mesh: Mesh) -> Optional[tuple[st
   if len(covered) != mesh.size:
     return None
   return axes_seen or ()
+
+
+def axis_swap_of_pairs(pairs: Sequence[tuple[int, int]], mesh: Mesh
+                       ) -> Optional[tuple[str, str]]:
+  """(a, b) if the collective-permute sends every rank to the rank with its a
+  and b coordinates swapped (XLA moving a kv head's shards between two axes of
+  a refined mesh: pairs (1, 2), (2, 1) on a 2x2 mesh)."""
+  devices = mesh.devices()
+  coord_of = {int(d): idx for idx, d in np.ndenumerate(devices)}
+  sent = dict(pairs)
+  if len(sent) != len(pairs) or set(sent) != set(coord_of) or set(sent.values()) != set(coord_of):
+    return None
+  names = mesh.axis_names
+  for i, j in itertools.combinations(range(len(names)), 2):
+    if mesh.axes[i][1] != mesh.axes[j][1] or mesh.axes[i][1] < 2:
+      continue
+    def swapped(c):
+      c = list(c)
+      c[i], c[j] = c[j], c[i]
+      return int(devices[tuple(c)])
+    if all(sent[d] == swapped(c) for d, c in coord_of.items()):
+      return names[i], names[j]
+  return None
 
 
 def axes_of_pairs(pairs: Sequence[tuple[int, int]], mesh: Mesh

@@ -10,6 +10,7 @@ collective or a rank-dependent slice ``g``, then ``s ~ L' of d'``:
   reduce-scatter X, k     a partial sum over X becomes a tile along k
   all-to-all X, i -> j    the tile over X moves from dim j to dim i
   collective-permute      a replica stays a replica if every rank receives;
+                          swapping two axes' coordinates renames them;
                           a value pinned at coordinate c moves to perm(c);
                           a shift r -> r + s along x turns tiles over x by -s
                           (rotated axes, layout.py)
@@ -61,6 +62,17 @@ def rotated(axis: str, by: int, n: int) -> str:
   """``axis`` (plain or rotated) turned by ``by`` more steps on an axis of n."""
   j = (axis_shift(axis) + by) % n
   return axis_base(axis) if j == 0 else f"{axis_base(axis)}{ir.ROTATION_SEP}{j}"
+
+
+def _renamed(l: Layout, names: dict[str, str]) -> Layout:
+  """``l`` with mesh axes renamed (rotated ones keep their turn)."""
+  def rename(a: str) -> str:
+    base = axis_base(a)
+    return a if base not in names else names[base] + a[len(base):]
+  return Layout(tuple(tuple(rename(a) for a in axes) for axes in l.dims),
+                tuple(rename(a) for a in l.partial), l.partial_kind, l.scale,
+                tuple((rename(a), c) for a, c in l.at), l.filled and (
+                    l.filled[0], rename(l.filled[1]), l.filled[2]))
 
 
 def _flip_if_negative(l: Layout, c: float) -> Layout:
@@ -231,6 +243,12 @@ class Transfer:
 
   def _collective_permute(self, op, cls, l: Layout):
     axes, perm = op.attrs.get("gg.axes"), op.attrs.get("gg.permutation")
+    swap = op.attrs.get("gg.swap")
+    if swap is not None:
+      # Rank r holds what the rank with r's coordinates on a and b swapped
+      # held: the relation with a and b renamed.
+      yield _renamed(l, dict([swap, swap[::-1]]))
+      return
     if not axes or perm is None:
       return
     (axis,) = axes

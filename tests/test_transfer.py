@@ -114,7 +114,13 @@ def all_to_all(op, x, mesh):
 
 def collective_permute(op, x, mesh):
   """Along one axis: coordinate ``dst`` gets ``src``'s value, others get zeros.
-  Reads the raw pairs (with fixed points), not the canonical ``gg.permutation``."""
+  Reads the raw pairs (with fixed points), not the canonical ``gg.permutation``;
+  ``test.device_pairs`` instead: device ``dst`` gets device ``src``'s value."""
+  if "test.device_pairs" in op.attrs:
+    coord = {device_id(mesh, c): c for c in x}
+    src_of = {dst: src for src, dst in op.attrs["test.device_pairs"]}
+    return {c: x[coord[src_of[device_id(mesh, c)]]].copy() if device_id(mesh, c) in src_of
+            else np.zeros_like(x[c]) for c in x}
   (axis,) = op.attrs["gg.axes"]
   k = mesh.axis_names.index(axis)
   src_of = {dst: src for src, dst in op.attrs["test.pairs"]}
@@ -408,6 +414,41 @@ def test_collective_permute():
 
   check()
   hits.check()
+
+
+def test_collective_permute_swapping_two_axes_renames_them():
+  """A permute sending each rank to the one with its a and b coordinates
+  swapped (XLA, moving a kv head's shards on a refined mesh): the relation
+  holds with a and b renamed; ``sharding.axis_swap_of_pairs`` finds it."""
+  from graphguard_hlo.passes.sharding import axis_swap_of_pairs
+  hits = Hits()
+
+  @SETTINGS
+  @given(setups(min_rank=0), st.data())
+  def check(setup, data):
+    mesh, layout, shape, seed = setup
+    pairs_of_axes = [(a, b) for (a, n), (b, m) in itertools.combinations(mesh.axes, 2)
+                     if n == m and n > 1]
+    if not pairs_of_axes:
+      return  # (no two axes alike to swap: not a case)
+    a, b = data.draw(st.sampled_from(pairs_of_axes))
+    i, j = mesh.axis_names.index(a), mesh.axis_names.index(b)
+    pairs = []
+    for c in ranks(mesh):
+      s_ = list(c)
+      s_[i], s_[j] = s_[j], s_[i]
+      pairs.append((device_id(mesh, c), device_id(mesh, s_)))
+    assert axis_swap_of_pairs(pairs, mesh) in ((a, b), (b, a))
+    lshape = local(layout, shape, mesh)
+    prog = Program(mesh, lshape)
+    op = prog.add("collective_permute", [prog.param], lshape,
+                  attrs={"gg.axes": None, "gg.permutation": None, "gg.swap": (a, b),
+                         "test.device_pairs": tuple(pairs)})
+    hits.add(check_rule(prog, op, layout, values(shape, seed), seed))
+
+  check()
+  assert hits.cases >= 20, vars(hits)
+  hits.check(0.9)
 
 
 def test_collective_permute_moves_a_pinned_value():

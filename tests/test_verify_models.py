@@ -19,11 +19,6 @@ _RESIDUALS_DIFFER = (
 KNOWN_UNPROVED: dict[str, str] = {
     "gpt2/dp_tp_cp_scan_grad/shard_map/ok": _RESIDUALS_DIFFER,
     "llama3/dp_tp_cp_scan_grad/shard_map/ok": _RESIDUALS_DIFFER,
-    "llama3/sp_grad/gspmd/ok": (
-        "the backward of the kv projections with each kv head split over 2 of 4 ranks: "
-        "the diagnosis names a collective-permute moving both mesh axes' coordinates at "
-        "once (pairs (1, 2), (2, 1)), which no single-axis permutation describes, next to "
-        "the dot that gets no relation"),
 }
 
 
