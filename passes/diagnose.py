@@ -177,14 +177,14 @@ def _fold_words(inf, op: ir.Op) -> Optional[str]:
   """A reduction over a dim whose blocks a ring passes round, with some
   blocks never formed: the values a ring step combines disagree on which
   block is in hand."""
-  if op.name not in ("reduce", "dot_general") or not inf.rings:
+  if op.name not in ("reduce", "dot_general") or not inf.transfer.rings:
     return None
   dims = op.attrs["dimensions"] if op.name == "reduce" else op.attrs["lhs_contract"]
   v = op.operands[0]
   turns: dict[str, set[int]] = {}
   for r in inf.relations.get(v.id, []):
     names = [x for d in dims for x in r.layout.dims[d]]
-    if len(names) == 1 and axis_base(names[0]) in inf.rings:
+    if len(names) == 1 and axis_base(names[0]) in inf.transfer.rings:
       turns.setdefault(axis_base(names[0]), set()).add(axis_shift(names[0]))
   for axis, found in turns.items():
     n = inf.mesh.axis_size(axis)
@@ -199,9 +199,15 @@ def _fold_words(inf, op: ir.Op) -> Optional[str]:
     permute = next((d for d in inf.dist.graph.walk() if d.name == "collective_permute"
                     and ring_shift(d, inf.mesh) is not None
                     and ring_shift(d, inf.mesh)[0] == axis), None)
-    ring = "" if permute is None else (
-        f"; the ring's collective-permute at {permute.location} sends r -> r + "
-        f"{ring_shift(permute, inf.mesh)[1]} (mod {n})")
+    if permute is not None:
+      ring = (f"; the ring's collective-permute at {permute.location} sends r -> r + "
+              f"{ring_shift(permute, inf.mesh)[1]} (mod {n})")
+    else:
+      other = next((d for d in inf.dist.graph.walk() if d.name == "collective_permute"
+                    and ring_shift(d, inf.mesh) is not None), None)
+      ring = "" if other is None else (
+          f"; no collective-permute passes blocks round {axis!r}: the ring's at "
+          f"{other.location} goes round {ring_shift(other, inf.mesh)[0]!r} (wrong axis?)")
     return (f"the {op.name} over dims {list(dims)} of %{v.id} runs over blocks a ring "
             f"passes round {axis!r}: the per-device program holds blocks {axis}+"
             f"{blocks(found)} of it but never {axis}+{blocks(missing)}: at those steps the "

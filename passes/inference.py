@@ -134,7 +134,6 @@ class RelationInference:
     self.users = op_users(dist.graph, self.deg)
     self.arith = RankArithmetic(self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
-    self.rings = self.transfer.rings
     self.relations: dict[int, list[Relation]] = {}
     self._transfer_memo: dict[tuple, list[Relation]] = {}
     self._step_memo: dict[tuple, list] = {}
@@ -172,7 +171,7 @@ class RelationInference:
           Relation(cls, layout, how)
           for op in self.users.get(r.cls, ())
           for cls, layout, how in self.transfer.apply(op, r.cls, r.layout, tile)))
-      if self.rings and set(r.layout.partial) & self.rings:
+      if self.transfer.rings and set(r.layout.partial) & self.transfer.rings:
         found += [Relation(*new) for new in self.transfer.ring_sums(r.cls, r.layout)]
       self._transfer_memo[key] = found
     return found
@@ -299,7 +298,7 @@ class RelationInference:
       attrs["gg.reduction"] = reducer_kind(op.regions[0])
     seq_op = SeqOp(op.name, attrs, tuple(v.type for v in op.operands),
                    op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh,
-                   self.rings)
+                   self.transfer.rings)
     self._scale_by_constant(op)
     self._with_identity(op)
     if op.name == "iota":
@@ -328,7 +327,7 @@ class RelationInference:
           cls = self._lookup_local(op, combo, step, children, k)
           if cls is not None:
             self.add_relation(result, Relation(cls, step.layout, step.lemma))
-    if self.rings and op.name in ("reduce", "dot_general"):
+    if self.transfer.rings and op.name in ("reduce", "dot_general"):
       self._ring_folds(op, seq_op)
 
   # -- rings: a reduction over the blocks a ring visits --------------------------
@@ -382,7 +381,7 @@ class RelationInference:
           a.dims[i] for i in lfree) + tuple(b.dims[j] for j in rfree))
     else:
       return None
-    if len(names) != 1 or axis_base(names[0]) not in self.rings or not result.is_valid():
+    if len(names) != 1 or axis_base(names[0]) not in self.transfer.rings or not result.is_valid():
       return None
     local = result.local_shape(seq_op.result_type.shape, self.mesh)
     if local is None:

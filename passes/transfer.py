@@ -92,10 +92,29 @@ class Transfer:
         op for op in graph.ops
         if op.name == "add" and any(v.producer is not None and v.producer.name == "iota"
                                     for v in op.operands)]
-    self.rings = ring_axes(graph, mesh)
+    self._rings: Optional[frozenset] = None
     self.graph = graph
     self._users = None
     self._ring_writes: Optional[tuple[dict, dict]] = None
+
+  @property
+  def rings(self) -> frozenset:
+    """The axes a ring turns round: those of ring permutes, and those of
+    positions offset by a ring's ``((r + j) mod n) * size`` (a mask for the
+    blocks in hand, even where a bug sends them round another axis).  Read on
+    first use, like ``ring_writes``."""
+    if self._rings is None:
+      offsets = set()
+      for op in self.iota_adds:
+        iota_v, off_v = op.operands
+        if iota_v.producer is None or iota_v.producer.name != "iota":
+          iota_v, off_v = off_v, iota_v
+        size = iota_v.shape[iota_v.producer.attrs["iota_dimension"]]
+        turn = self.arith.rotated_tile(self._broadcast_scalar(off_v), size)
+        if turn is not None:
+          offsets.add(turn[0])
+      self._rings = ring_axes(self.graph, self.mesh) | frozenset(offsets)
+    return self._rings
 
   # Per-device `dynamic_update_slice`s writing one tile at a ring's offset:
   # op -> (dim, axis, j), and by the classes of their buffer and update.  Read

@@ -43,7 +43,7 @@ def test_names_and_metadata():
                                    "grad_not_allreduced", "dispatch_to_wrong_rank",
                                    "wrong_replica_groups", "mask_no_offset",
                                    "kv_gathered_over_wrong_axis", "wrong_permutation",
-                                   "output_not_rescaled"}
+                                   "output_not_rescaled", "ring_over_wrong_axis"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "sp", "dp_tp", "cp", "dp_tp_cp"):
       for style in ("shard_map", "gspmd"):

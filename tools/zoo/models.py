@@ -344,10 +344,11 @@ def _gqa_attention(a, wq, wk, wv, cos, sin, cfg: Config, par: Parallel):
   k = (a @ wk).reshape(b, s, -1, hd)
   v = (a @ wv).reshape(b, s, -1, hd)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-  if par.attend is not None:  # the kv heads repeated before they go round
-    return par.attend(q, repeat_kv(k, cfg.kv_groups), repeat_kv(v, cfg.kv_groups))
-  k, v = par.gather_kv(k), par.gather_kv(v)
   n_q = q.shape[2]
+  if par.attend is not None:  # this rank's heads of k and v picked before they go round
+    return par.attend(q, par.local_heads(par.repeat_kv(k, cfg.kv_groups), n_q),
+                      par.local_heads(par.repeat_kv(v, cfg.kv_groups), n_q))
+  k, v = par.gather_kv(k), par.gather_kv(v)
   k = par.local_heads(par.repeat_kv(k, cfg.kv_groups), n_q)
   v = par.local_heads(par.repeat_kv(v, cfg.kv_groups), n_q)
   return causal_attention(q, k, v, par.causal_mask)

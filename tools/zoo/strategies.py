@@ -36,6 +36,8 @@
     Both shard_map only (the ring is the hand-written part); ``cp_ring``
     also forward+backward (its gather transposes to a ring reduce-scatter).
 
+  * ``dp_tp_ring_attention``: ``dp_tp_cp`` with ring attention round "cp".
+
   * ``pp``: pipeline parallelism on "pp" (4 stages): 8 layers with stacked
     parameters split over the stages by layer, two per stage; the stages
     unrolled, each round every stage runs its layers and ``ppermute``s the
@@ -164,14 +166,17 @@ def _ring_gather_seq(axis_name, shift=1):
   return gather
 
 
-def _ring_attention(axis_name, shift=1, rescale_output=True):
+def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None):
   """Ring attention (Liu et al.) for causal attention: k/v blocks go round
   the ring; each step scores this rank's queries against the block in hand,
   masked at both blocks' offsets, and folds it into an online softmax (running
   row max m, denominator l, output o, rescaled by exp(m - m_new)).
   ``shift=-1`` is the bug: blocks go to rank r - 1 while the masks assume they
   came from it.  ``rescale_output=False``, the other: o is not rescaled when
-  the running max grows (l is), so earlier blocks keep too large a weight."""
+  the running max grows (l is), so earlier blocks keep too large a weight.
+  ``ring_axis`` (default ``axis_name``): the axis the blocks go round; another
+  one is the wrong-axis bug."""
+  ring_axis = ring_axis or axis_name
   def attend(q, k, v):
     b, s, h, hd = q.shape
     n = lax.axis_size(axis_name)
@@ -193,7 +198,7 @@ def _ring_attention(axis_name, shift=1, rescale_output=True):
       m = m_new
       if t < n - 1:
         perm = [(i, (i + shift) % n) for i in range(n)]
-        k, v = lax.ppermute(k, axis_name, perm), lax.ppermute(v, axis_name, perm)
+        k, v = lax.ppermute(k, ring_axis, perm), lax.ppermute(v, ring_axis, perm)
     out = o / l[..., None]
     return out.transpose(0, 2, 1, 3).reshape(b, s, h * hd)
   return attend
@@ -202,6 +207,12 @@ def _ring_attention(axis_name, shift=1, rescale_output=True):
 def _ring_attention_par(shift=1, rescale_output=True):
   """``cp`` with ring attention instead of gathered k/v."""
   return dataclasses.replace(_cp_par(), attend=_ring_attention("cp", shift, rescale_output))
+
+
+def _dp_tp_ring_attention_par(ring_axis="cp"):
+  """``dp_tp_cp`` with ring attention round "cp" (each rank's tp heads)."""
+  return dataclasses.replace(_dp_tp_cp_par(),
+                             attend=_ring_attention("cp", ring_axis=ring_axis))
 
 
 def _ring_par(shift=1):
@@ -379,6 +390,8 @@ PP = _Strategy("pp", (4,), ("pp",), P(), _no_param_specs, _pp_par,
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
 RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
                            _ring_attention_par)
+DP_TP_RING_ATTENTION = _Strategy("dp_tp_ring_attention", (2, 2, 2), ("dp", "tp", "cp"),
+                                 P("dp", "cp"), _dp_tp_cp_param_spec, _dp_tp_ring_attention_par)
 
 # Expert parallelism: llama3 only (its MLP is the MoE layer), 4 experts.
 EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
@@ -734,6 +747,16 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                  ring_attention_scan.par()))
     built.append(_shard_map_case(model, RING_ATTENTION, cfg, "wrong_permutation",
                                  _ring_attention_par(shift=-1), "wrong_permutation", "reduce"))
+  # On the 2x2x2 mesh with TP heads and batch over dp; the ring round "tp"
+  # instead of "cp" passes other heads' keys: only block cp+0 is ever formed.
+  ring_3d_scan = _scanned(DP_TP_RING_ATTENTION)
+  for model in MODELS:
+    built.append(_shard_map_case(model, DP_TP_RING_ATTENTION, cfg, "ok",
+                                 DP_TP_RING_ATTENTION.par()))
+    built.append(_shard_map_case(model, ring_3d_scan, cfg, "ok", ring_3d_scan.par()))
+  built.append(_shard_map_case("llama3", DP_TP_RING_ATTENTION, cfg, "ring_over_wrong_axis",
+                               _dp_tp_ring_attention_par(ring_axis="tp"),
+                               "ring_over_wrong_axis", "reduce"))
   # The output not rescaled when the running max grows: the row max and the
   # denominator are right, the first op reading the output's sum is the
   # probabilities' matmul with v.
