@@ -111,7 +111,7 @@ class Transfer:
           iota_v, off_v = off_v, iota_v
         size = iota_v.shape[iota_v.producer.attrs["iota_dimension"]]
         turn = self.arith.rotated_tile(self._broadcast_scalar(off_v), size)
-        if turn is not None:
+        if turn is not None and turn[1]:  # (turned: a plain r * size is no ring)
           offsets.add(turn[0])
       self._rings = ring_axes(self.graph, self.mesh) | frozenset(offsets)
     return self._rings

@@ -95,8 +95,8 @@ def measure(label: str, cfg, dp: int, tp: int, repeat: int, grad: bool = False,
   def verify_once():
     seq, dist = load_stablehlo("seq", seq_text), load_stablehlo("dist", dist_text)
     t = time.perf_counter()
-    prepare_seq(seq)
-    out = verify_programs(seq, prepare_dist(dist))
+    program = prepare_dist(dist)
+    out = verify_programs(prepare_seq(seq, program), program)
     return out, time.perf_counter() - t
 
   for _ in range(repeat):
