@@ -360,10 +360,9 @@ class RelationInference:
     if any(l.partial or l.at or not l.is_clean() for l in layouts):
       return None
     if op.name == "reduce":
-      if len(op.operands) != 2 or not self._inits_are_identities(
-          op, Step({}, seq_op.result_type, Layout((), ("fold",), seq_op.attrs.get(
-              "gg.reduction", "?")), "ring-fold")):
-        return None
+      if len(op.operands) != 2 or not inits_are_identities(
+          self.splats, op, seq_op.attrs.get("gg.reduction")):
+        return None  # each block's reduction adds the init once
       a = layouts[0]
       dims = op.attrs["dimensions"]
       names = [x for d in dims for x in a.dims[d]]
@@ -580,15 +579,7 @@ class RelationInference:
     one adds it scaled: then it must be the identity."""
     if op.name != "reduce" or (not step.layout.partial and step.layout.is_clean()):
       return True
-    n = len(op.operands) // 2
-    kind = step.layout.partial_kind
-    for init in op.operands[n:]:
-      value = self.splats.get(init.id)
-      identity = {"sum": (0.0,), "max": (-math.inf,), "min": (math.inf,)}[kind]
-      if value is None or (value not in identity and not (
-          kind != "sum" and abs(value) >= 3.0e38)):
-        return False
-    return True
+    return inits_are_identities(self.splats, op, step.layout.partial_kind)
 
   # -- outputs -------------------------------------------------------------------
   def _check_outputs(self, processed: int) -> Result:
@@ -616,6 +607,18 @@ class RelationInference:
         return Result("not_proved", outputs, failure, self._stats(processed))
       outputs.append(OutputRelation(i, ok[0].layout.describe(f"out{i}"), ok[0].layout))
     return Result("refines", outputs, None, self._stats(processed))
+
+
+def inits_are_identities(splats: dict[int, float], op: ir.Op, kind: str) -> bool:
+  """Are a reduce's inits splats of the identity of ``kind`` (sum, max, min)?"""
+  identity = {"sum": (0.0,), "max": (-math.inf,), "min": (math.inf,)}.get(kind)
+  if identity is None:
+    return False
+  for init in op.operands[len(op.operands) // 2:]:
+    value = splats.get(init.id)
+    if value is None or (value not in identity and not (kind != "sum" and abs(value) >= 3.0e38)):
+      return False
+  return True
 
 
 def merged_pins(*pin_sets) -> Optional[tuple[tuple[str, int], ...]]:
