@@ -160,6 +160,12 @@ def axis_shift(name: str) -> int:
   return int(shift) if sep and shift.isdigit() else 0
 
 
+def rotated_axis(axis: str, by: int, n: int) -> str:
+  """``axis`` (plain or rotated) turned ``by`` more steps on an axis of n ranks."""
+  j = (axis_shift(axis) + by) % n
+  return axis_base(axis) if j == 0 else f"{axis_base(axis)}{ROTATION_SEP}{j}"
+
+
 @dataclasses.dataclass
 class Mesh:
   """A named device mesh: axes major to minor and the device id at each coordinate."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from graphguard_hlo import ir
-from graphguard_hlo.ir import axis_base, axis_shift
+from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.collectives import COLLECTIVES
 from graphguard_hlo.passes.layout import Layout, scales_equal
 from graphguard_hlo.passes.transfer import ring_shift
@@ -153,7 +153,7 @@ def _ring_words(inf, op: ir.Op) -> Optional[str]:
           continue
         k, axis, j = inf.transfer.ring_writes[id(d_op)]
         held = ", ".join(r.layout.dims[k]) or "whole"
-        written = axis if j == 0 else f"{axis}+{j}"
+        written = rotated_axis(axis, j, inf.mesh.axis_size(axis))
         if r.layout.dims[k] == (written,):
           continue
         moved = d_op.operands[1].producer

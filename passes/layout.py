@@ -101,11 +101,11 @@ class Layout:
   def is_valid(self) -> bool:
     tiling = [a for d in self.dims for a in d]
     others = list(self.partial) + [a for a, _ in self.at]
-    if any(axis_shift(a) or axis_base(a) != a for a in others):
+    if any(axis_base(a) != a for a in others):
       return False  # rotations only tile
     if self.filled:
       k, axis, _ = self.filled
-      if self.dims[k] or axis_shift(axis):
+      if self.dims[k] or axis_base(axis) != axis:
         return False
       others.append(axis)  # the tiles it speaks of are along this axis
     if any(len({axis_base(a) for a in d}) != len(d) for d in self.dims):

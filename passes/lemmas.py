@@ -26,7 +26,7 @@ import math
 from typing import Callable, Iterator, Optional, Sequence
 
 from graphguard_hlo import ir
-from graphguard_hlo.ir import axis_base, axis_shift
+from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.layout import Layout, scales_equal
 
 # -- op classes ----------------------------------------------------------------
@@ -277,7 +277,7 @@ def _free_axis_choices(op: SeqOp, taken: set[str], free_dims: Sequence[int],
   avail = [a for a, n in op.mesh.axes if a not in taken and n > 1]
   # A ring's blocks: any turn of a ring axis, even one tiling another dim
   # (the diagonal blocks it visits); ``is_valid`` rejects what cannot be.
-  turns = [(x if j == 0 else f"{x}{ir.ROTATION_SEP}{j}",) for x in sorted(op.rings)
+  turns = [(rotated_axis(x, j, op.mesh.axis_size(x)),) for x in sorted(op.rings)
            for j in range(op.mesh.axis_size(x))]
   options_per_dim = []
   for d in free_dims:

@@ -34,7 +34,7 @@ from typing import Iterator, Optional
 import sympy
 
 from graphguard_hlo import ir
-from graphguard_hlo.ir import axis_base, axis_shift
+from graphguard_hlo.ir import axis_base, rotated_axis
 from graphguard_hlo.reference import COMPARISONS
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.layout import Layout
@@ -56,12 +56,6 @@ def ring_axes(graph: ir.Graph, mesh: ir.Mesh) -> frozenset:
   """The mesh axes some ring of collective-permutes passes tiles round."""
   return frozenset(found[0] for op in graph.walk() if op.name == "collective_permute"
                    for found in [ring_shift(op, mesh)] if found is not None)
-
-
-def rotated(axis: str, by: int, n: int) -> str:
-  """``axis`` (plain or rotated) turned by ``by`` more steps on an axis of n."""
-  j = (axis_shift(axis) + by) % n
-  return axis_base(axis) if j == 0 else f"{axis_base(axis)}{ir.ROTATION_SEP}{j}"
 
 
 def _renamed(l: Layout, names: dict[str, str]) -> Layout:
@@ -291,7 +285,7 @@ class Transfer:
       return  # not a ring: the tiles land in no rank order
     s = ring[1]
     # Rank r now holds what r - s held: tile (r - s + j) for an axis turned by j.
-    yield l.with_(dims=tuple(tuple(rotated(a, -s, n) if axis_base(a) == axis else a
+    yield l.with_(dims=tuple(tuple(rotated_axis(a, -s, n) if axis_base(a) == axis else a
                                    for a in axes) for axes in l.dims))
 
   def _select(self, op, cls, l: Layout):
@@ -505,7 +499,7 @@ class Transfer:
             k, tau, R = t
             if len(R) == n:
               dims = list(l.dims)
-              dims[k] = (rotated(x, tau, n),)
+              dims[k] = (rotated_axis(x, tau, n),)
               yield out, l.with_(dims=tuple(dims), partial=tuple(
                   a for a in l.partial if a != x)), "ring-reduce-scatter"
 
@@ -520,7 +514,7 @@ class Transfer:
     r_x + j: the buffer knows that tile."""
     k, axis, j = written
     n = self.mesh.axis_size(axis)
-    if l.filled or l.dims[k] != (rotated(axis, j, n),):
+    if l.filled or l.dims[k] != (rotated_axis(axis, j, n),):
       return None
     dims = l.dims[:k] + ((),) + l.dims[k + 1:]
     return l.with_(dims=dims, filled=(k, axis, (j,)) if n > 1 else ())
@@ -612,7 +606,7 @@ class Transfer:
         turn = self.arith.rotated_tile(scalar, local[k])
         if turn is None:
           continue
-        axes = (rotated(turn[0], turn[1], self.mesh.axis_size(turn[0])),)
+        axes = (rotated_axis(turn[0], turn[1], self.mesh.axis_size(turn[0])),)
       dims: list[tuple[str, ...]] = [() for _ in local]
       dims[k] = axes
       if local[k] * math.prod(self.mesh.axis_size(a) for a in axes) != seq_type.shape[k]:
