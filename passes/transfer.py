@@ -416,29 +416,26 @@ class Transfer:
 
   # -- rings: tiles written where they belong -----------------------------------------
   def _written_tile(self, op: ir.Op) -> Optional[tuple[int, str, int]]:
-    """(k, x, j) if ``op`` writes its update along dim k only, at offset
-    ``((r_x + j) mod |x|) * size`` with the buffer ``|x|`` updates long there."""
+    """(k, x, j) if the dynamic-update-slice ``op`` writes one tile along dim k
+    only, at offset ``((r_x + j) mod |x|) * size``."""
     base, update, *offsets = op.operands
-    cut = [k for k, (u, b) in enumerate(zip(update.shape, base.shape)) if u != b]
-    if len(cut) != 1:
-      return None
-    (k,) = cut
-    found = self.arith.rotated_tile(offsets[k], update.shape[k])
-    if found is None or base.shape[k] != update.shape[k] * self.mesh.axis_size(found[0]):
-      return None
-    return k, found[0], found[1]
+    return self._ring_tile(base.shape, update.shape, offsets)
 
   def _read_tile(self, op: ir.Op) -> Optional[tuple[int, str, int]]:
     """(k, x, j) if the dynamic-slice ``op`` reads one tile along dim k only,
-    at offset ``((r_x + j) mod |x|) * size`` (a ring reading what it sends)."""
+    at a ring's offset (a ring reading what it sends)."""
     operand, *offsets = op.operands
-    sizes = op.attrs["slice_sizes"]
-    cut = [k for k, (n, full) in enumerate(zip(sizes, operand.shape)) if n != full]
+    return self._ring_tile(operand.shape, op.attrs["slice_sizes"], offsets)
+
+  def _ring_tile(self, whole, tile, offsets) -> Optional[tuple[int, str, int]]:
+    """(k, x, j) if ``tile`` cuts ``whole`` along dim k only, into |x| tiles,
+    at offset ``((r_x + j) mod |x|) * tile[k]``."""
+    cut = [k for k, (n, full) in enumerate(zip(tile, whole)) if n != full]
     if len(cut) != 1:
       return None
     (k,) = cut
-    found = self.arith.rotated_tile(offsets[k], sizes[k])
-    if found is None or operand.shape[k] != sizes[k] * self.mesh.axis_size(found[0]):
+    found = self.arith.rotated_tile(offsets[k], tile[k])
+    if found is None or whole[k] != tile[k] * self.mesh.axis_size(found[0]):
       return None
     return k, found[0], found[1]
 
