@@ -30,7 +30,7 @@ from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.canonicalize import canonical_local_op
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change, squeezed_variants
 from graphguard_hlo.passes.collectives import reducer_kind
-from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
+from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.dist_program import DistProgram
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.ir import axis_base, axis_shift
@@ -131,9 +131,9 @@ class RelationInference:
     self.on_progress = None  # called with the number of ops done, for progress bars
     self.mesh = dist.mesh
     self.deg = DistEGraph(dist.graph, dist.mesh, dist.param_splats)
-    self.users = op_users(dist.graph, self.deg)
     self.arith = RankArithmetic(self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
+    self.users = self.transfer.users
     self.relations: dict[int, list[Relation]] = {}
     self._transfer_memo: dict[tuple, list[Relation]] = {}
     self._step_memo: dict[tuple, list] = {}

@@ -36,7 +36,7 @@ import sympy
 from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, rotated_axis
 from graphguard_hlo.reference import COMPARISONS
-from graphguard_hlo.passes.dist_egraph import DistEGraph
+from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
 from graphguard_hlo.passes.unit_dims import lower_lifted, only_unit_dims_change, unit_dim_lifts
@@ -461,7 +461,7 @@ class Transfer:
       while work and steps < 4096:
         steps += 1
         c, term = work.pop()
-        for op in self._users_of(c):
+        for op in self.users.get(c, ()):
           out = self.deg.of(op.results[0]) if op.results else None
           found = []
           if term is None:  # c is G, or G with tiles erased
@@ -500,11 +500,12 @@ class Transfer:
               yield out, l.with_(dims=tuple(dims), partial=tuple(
                   a for a in l.partial if a != x)), "ring-reduce-scatter"
 
-  def _users_of(self, c: int) -> list[ir.Op]:
+  @property
+  def users(self) -> dict[int, list[ir.Op]]:
+    """The per-device ops reading each class (inference reads this one too)."""
     if self._users is None:
-      from graphguard_hlo.passes.dist_egraph import op_users
       self._users = op_users(self.graph, self.deg)
-    return self._users.get(c, [])
+    return self._users
 
   def _written_known(self, op, written, l: Layout) -> Optional[Layout]:
     """The update tiled along dim k by exactly x turned by j, written at tile
