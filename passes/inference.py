@@ -34,7 +34,8 @@ from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.dist_program import DistProgram
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.ir import axis_base, axis_shift
-from graphguard_hlo.passes.lemmas import ELEMENTWISE, SeqOp, Step, apply_lemmas, is_modelled
+from graphguard_hlo.passes.lemmas import (ELEMENTWISE, SeqOp, Step, apply_lemmas, dot_tiling,
+                                          is_modelled)
 from graphguard_hlo.passes.rank_arith import RankArithmetic
 from graphguard_hlo.passes.transfer import Transfer
 
@@ -368,16 +369,10 @@ class RelationInference:
       names = [x for d in dims for x in a.dims[d]]
       result = Layout(tuple(a.dims[d] for d in range(a.rank) if d not in dims))
     elif op.name == "dot_general":
-      a, b = layouts
-      at = op.attrs
-      if any(a.dims[i] != b.dims[j] for i, j in zip(at["lhs_batch"], at["rhs_batch"])) or \
-          any(a.dims[i] != b.dims[j] for i, j in zip(at["lhs_contract"], at["rhs_contract"])):
+      tiling = dot_tiling(op.attrs, *layouts)
+      if tiling is None:
         return None
-      names = [x for i in at["lhs_contract"] for x in a.dims[i]]
-      lfree = [i for i in range(a.rank) if i not in at["lhs_batch"] + at["lhs_contract"]]
-      rfree = [j for j in range(b.rank) if j not in at["rhs_batch"] + at["rhs_contract"]]
-      result = Layout(tuple(a.dims[i] for i in at["lhs_batch"]) + tuple(
-          a.dims[i] for i in lfree) + tuple(b.dims[j] for j in rfree))
+      result, names = Layout(tiling[0]), tiling[1]
     else:
       return None
     if len(names) != 1 or axis_base(names[0]) not in self.transfer.rings or not result.is_valid():

@@ -157,25 +157,34 @@ def _monotone_max(op: SeqOp, ls: Sequence[Layout]):
 
 # -- structural ops -----------------------------------------------------------------
 
+def dot_tiling(attrs: dict, a: Layout, b: Layout
+               ) -> Optional[tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]]:
+  """(the tiling of a dot's result dims: batch, lhs free, rhs free; the axes
+  tiling its contracting dims) for operands tiled by ``a`` and ``b``, or None
+  if they tile a batch or contracting dim differently."""
+  lb, rb = attrs["lhs_batch"], attrs["rhs_batch"]
+  lc, rc = attrs["lhs_contract"], attrs["rhs_contract"]
+  if any(a.dims[i] != b.dims[j] for i, j in zip(lb + lc, rb + rc)):
+    return None
+  lfree = [i for i in range(a.rank) if i not in lb and i not in lc]
+  rfree = [j for j in range(b.rank) if j not in rb and j not in rc]
+  dims = tuple(a.dims[i] for i in lb) + tuple(a.dims[i] for i in lfree) + tuple(
+      b.dims[j] for j in rfree)
+  return dims, tuple(ax for i in lc for ax in a.dims[i])
+
+
 def _dot_general(op: SeqOp, ls: Sequence[Layout]):
   """dot(concat[x](a_r, k), concat[x](b_r, k')) = sum[x](dot(a_r, b_r)) over split
   contracting dims; batch dims must be split alike; free dims keep their split."""
   a, b = ls
   at = op.attrs
-  lb, rb = at["lhs_batch"], at["rhs_batch"]
-  lc, rc = at["lhs_contract"], at["rhs_contract"]
   if (a.partial and b.partial) or any(l.partial and l.partial_kind != "sum" for l in ls):
     return
-  if any(a.dims[i] != b.dims[j] for i, j in zip(lb, rb)):
+  tiling = dot_tiling(at, a, b)
+  if tiling is None:
     return
-  if any(a.dims[i] != b.dims[j] for i, j in zip(lc, rc)):
-    return
-  contracted = tuple(axis_base(ax) for i in lc for ax in a.dims[i])
-  lfree = [i for i in range(a.rank) if i not in lb and i not in lc]
-  rfree = [j for j in range(b.rank) if j not in rb and j not in rc]
-  dims = tuple(a.dims[i] for i in lb) + tuple(a.dims[i] for i in lfree) + tuple(
-      b.dims[j] for j in rfree)
-  partial = tuple(a.partial or b.partial) + contracted
+  dims, contracted = tiling
+  partial = tuple(a.partial or b.partial) + tuple(axis_base(x) for x in contracted)
   out = Layout(dims, partial, "sum", a.scale * b.scale)
   if out.is_valid():
     yield at, out
