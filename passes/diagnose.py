@@ -196,18 +196,18 @@ def _fold_words(inf, op: ir.Op) -> Optional[str]:
               f"softmax must rescale what it has summed by exp(m - m_new) whenever the "
               f"running max grows (a rescale forgotten?)")
     blocks = lambda js: "{" + ",".join(map(str, sorted(js))) + "}"
-    permute = next((d for d in inf.dist.graph.walk() if d.name == "collective_permute"
-                    and ring_shift(d, inf.mesh) is not None
-                    and ring_shift(d, inf.mesh)[0] == axis), None)
-    if permute is not None:
-      ring = (f"; the ring's collective-permute at {permute.location} sends r -> r + "
-              f"{ring_shift(permute, inf.mesh)[1]} (mod {n})")
+    permutes = [(d, shift) for d in inf.dist.graph.walk() if d.name == "collective_permute"
+                for shift in [ring_shift(d, inf.mesh)] if shift is not None]
+    round_axis = [(d, s) for d, (x, s) in permutes if x == axis]
+    if round_axis:
+      d, s = round_axis[0]
+      ring = f"; the ring's collective-permute at {d.location} sends r -> r + {s} (mod {n})"
+    elif permutes:
+      d, (x, _) = permutes[0]
+      ring = (f"; no collective-permute passes blocks round {axis!r}: the ring's at "
+              f"{d.location} goes round {x!r} (wrong axis?)")
     else:
-      other = next((d for d in inf.dist.graph.walk() if d.name == "collective_permute"
-                    and ring_shift(d, inf.mesh) is not None), None)
-      ring = "" if other is None else (
-          f"; no collective-permute passes blocks round {axis!r}: the ring's at "
-          f"{other.location} goes round {ring_shift(other, inf.mesh)[0]!r} (wrong axis?)")
+      ring = ""
     return (f"the {op.name} over dims {list(dims)} of %{v.id} runs over blocks a ring "
             f"passes round {axis!r}: the per-device program holds blocks {axis}+"
             f"{blocks(found)} of it but never {axis}+{blocks(missing)}: at those steps the "
