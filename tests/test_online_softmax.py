@@ -44,11 +44,16 @@ class Builder:
                         {"dimensions": tuple(dims), "gg.reduction": kind}, [region])
     return red.result
 
-  def run(self, inputs):
+  def values(self, inputs) -> dict:
+    """Every value of the graph on ``inputs``, by value id."""
     env = {p.id: x for p, x in zip(self.g.params, inputs)}
     for op in self.g.ops:
       env[op.results[0].id] = reference.evaluate(
           op.name, op.attrs, [env[v.id] for v in op.operands], op.results[0].type)
+    return env
+
+  def run(self, inputs):
+    env = self.values(inputs)
     return [env[v.id] for v in self.g.results]
 
 
