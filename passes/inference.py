@@ -154,6 +154,9 @@ class RelationInference:
       if len(known) >= MAX_RELATIONS_PER_VALUE:
         return
       known.append(r)
+      summed = r.layout.summed_over_pins()
+      if summed is not None:
+        work.append(Relation(r.cls, summed, "zero-elsewhere"))
       work.extend(self._transferred(r, r.layout.local_shape(s.shape, self.mesh)))
       if self.transfer.ring_writes_by_class:
         work.extend(self._ring_unions(s, r))
@@ -297,6 +300,8 @@ class RelationInference:
     attrs = dict(op.attrs)
     if op.name == "reduce" and op.regions:
       attrs["gg.reduction"] = reducer_kind(op.regions[0])
+    if op.name == "pad" and op.operands[1].id in self.splats:
+      attrs["gg.padding_value"] = self.splats[op.operands[1].id]
     seq_op = SeqOp(op.name, attrs, tuple(v.type for v in op.operands),
                    op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh,
                    self.transfer.rings)
@@ -306,20 +311,10 @@ class RelationInference:
       for cls, layout in self.transfer.offset_iotas(op.results[0].type, op.attrs):
         self.add_relation(op.results[0], Relation(cls, layout, "iota-plus-rank-offset"))
     for combo in self._operand_combinations(op):
-      pins = merged_pins(*(l.at for _, l in combo))
-      if pins is None:
-        continue  # operands known at different ranks: nothing in common
-      layouts = [l.with_(at=()) if l.at else l for _, l in combo]
+      layouts = [l for _, l in combo]
       for k, result in enumerate(op.results):
         rop = seq_op if k == 0 else dataclasses.replace(seq_op, result_type=result.type)
         for step in self._steps(rop, layouts):
-          if pins:
-            # A local op computes the same at every rank: what its operands
-            # are at the pinned ranks, its result is there (layout.py).
-            both = merged_pins(step.layout.at, pins)
-            if both is None or not step.layout.with_(at=both).is_valid():
-              continue
-            step = dataclasses.replace(step, layout=step.layout.with_(at=both))
           if not self._inits_are_identities(op, step):
             continue
           children = self._children(op, combo, step)
@@ -551,6 +546,10 @@ class RelationInference:
         if self.splats[v.id] == 0.0 and summed is not None and op.name != "reduce":
           l = l.with_(partial=summed.partial, partial_kind=summed.partial_kind,
                       scale=summed.scale)
+        # Zeros are zero at every rank: pinned anywhere, zero elsewhere.
+        pinned = next((m for m in non_splat if m.zero_elsewhere), None)
+        if self.splats[v.id] == 0.0 and pinned is not None:
+          l = l.with_(at=pinned.at, zero_elsewhere=True)
       out.append((r, l))
     return out
 
@@ -614,17 +613,6 @@ def inits_are_identities(splats: dict[int, float], op: ir.Op, kind: str) -> bool
     if value is None or (value not in identity and not (kind != "sum" and abs(value) >= 3.0e38)):
       return False
   return True
-
-
-def merged_pins(*pin_sets) -> Optional[tuple[tuple[str, int], ...]]:
-  """The ranks all the relations with these pins speak of, as pins; None if
-  they pin one axis to two coordinates (no rank holds both)."""
-  pins: dict[str, int] = {}
-  for pin_set in pin_sets:
-    for a, c in pin_set:
-      if pins.setdefault(a, c) != c:
-        return None
-  return tuple(sorted(pins.items()))
 
 
 def _live_ops(g: ir.Graph) -> set[int]:

@@ -24,6 +24,15 @@ operands is pinned alike; a collective-permute moves the pin; a select on
 ``r_pp == 2`` against zeros makes it a partial sum over "pp" (the value at
 stage 2, zeros elsewhere, summed by the all-reduce that follows).
 
+``zero_elsewhere`` strengthens a pin: the value is exactly zero at every rank
+the pins do not speak of.  That is what the masked psum's transpose hands a
+pipeline's backward pass (the cotangent at the last stage, zeros elsewhere); an
+op whose result is zero when some operands are (a product, a matmul, a sum of
+two such values) keeps it, and it lets a stage's gradient be padded into its
+own tile of a stack (``lemmas.py``).  It reads the per-device program in real
+arithmetic: ``0 * x`` is 0 for the values the other stages compute, which are
+finite.  Summed over its pinned axes it is the partial-sum layout above.
+
 A ring of collective-permutes turns tiles: after ``t`` steps of ``r -> r + 1``
 along "cp" rank ``r`` holds tile ``r - t``.  A *rotated axis* names that,
 ``cp+3`` (on 4 ranks): its coordinate at rank ``r`` is ``(r_cp + 3) mod 4``.
@@ -66,6 +75,7 @@ class Layout:
   partial_kind: str = "sum"   # "sum" | "max" | "min": how partial axes combine
   scale: float = 1.0
   at: tuple[tuple[str, int], ...] = ()  # sorted (axis, coordinate) pins
+  zero_elsewhere: bool = False  # with pins: zeros at every other rank
   filled: tuple = ()          # () or (dim, axis, sorted shifts): tiles known
 
   @staticmethod
@@ -99,6 +109,8 @@ class Layout:
     return all(coord[a] == c for a, c in self.at)
 
   def is_valid(self) -> bool:
+    if self.zero_elsewhere and not self.at:
+      return False
     tiling = [a for d in self.dims for a in d]
     others = list(self.partial) + [a for a, _ in self.at]
     if any(axis_base(a) != a for a in others):
@@ -144,6 +156,19 @@ class Layout:
   def scaled(self, factor: float) -> "Layout":
     return self.with_(scale=self.scale * factor)
 
+  def unpinned(self) -> "Layout":
+    """The relation as it reads at the pinned ranks, pins dropped."""
+    return self.with_(at=(), zero_elsewhere=False) if self.at else self
+
+  def summed_over_pins(self) -> Optional["Layout"]:
+    """Zeros off the pinned ranks: summed over the pinned axes, only the pinned
+    rank counts, so the value is a partial sum over them (None if it is a
+    max or min already)."""
+    if not self.zero_elsewhere or (self.partial and self.partial_kind != "sum"):
+      return None
+    return self.with_(at=(), zero_elsewhere=False, partial_kind="sum",
+                      partial=tuple(self.partial) + tuple(a for a, _ in self.at))
+
   # -- text -----------------------------------------------------------------
   def describe(self, value_name: str) -> str:
     """The clean expression, e.g. ``sum[tp](concat[dim1: dp](%3@r))``."""
@@ -156,7 +181,8 @@ class Layout:
     if not split and not self.partial:
       expr = f"replica({expr})"
     if self.at:
-      expr = f"at[{','.join(f'{a}={c}' for a, c in self.at)}]({expr})"
+      zeros = "; 0 elsewhere" if self.zero_elsewhere else ""
+      expr = f"at[{','.join(f'{a}={c}' for a, c in self.at)}{zeros}]({expr})"
     if self.filled:
       k, axis, shifts = self.filled
       expr = f"known[dim{k}: tiles {axis}+{{{','.join(map(str, shifts))}}}]({expr})"
@@ -166,6 +192,17 @@ class Layout:
 
   def __str__(self) -> str:
     return self.describe("d")
+
+
+def merged_pins(*pin_sets) -> Optional[tuple[tuple[str, int], ...]]:
+  """The ranks all the relations with these pins speak of, as pins; None if
+  they pin one axis to two coordinates (no rank holds both)."""
+  pins: dict[str, int] = {}
+  for pin_set in pin_sets:
+    for a, c in pin_set:
+      if pins.setdefault(a, c) != c:
+        return None
+  return tuple(sorted(pins.items()))
 
 
 # -- numeric semantics, for tests and cross-checks ------------------------------
@@ -231,7 +268,9 @@ def assemble(layout: Layout, mesh: Mesh, local_at: dict[tuple[int, ...], np.ndar
   for coord in np.ndindex(*[s for _, s in mesh.axes]):
     r = dict(zip(names, coord))
     if not layout.holds_at(r):
-      continue  # the relation says nothing of this rank
+      if layout.zero_elsewhere:
+        np.testing.assert_array_equal(local_at[coord], 0.0, err_msg=f"not zero at {r}")
+      continue  # the relation says nothing else of this rank
     total = None
     for pcoord in np.ndindex(*[sizes[a] for a in layout.partial]):
       rr = dict(r, **dict(zip(layout.partial, pcoord)))
@@ -294,7 +333,8 @@ def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generato
       index.append(slice(idx * size, (idx + 1) * size))
     tile = np.asarray(value, dtype=np.float64)[tuple(index)] / layout.scale
     if not layout.holds_at(r):
-      out[coord] = rng.standard_normal(tile.shape)  # unrelated: anything
+      # unrelated: anything (zeros if the layout says so)
+      out[coord] = np.zeros(tile.shape) if layout.zero_elsewhere else rng.standard_normal(tile.shape)
       continue
     key = tuple((s.start, s.stop) for s in index)
     if key not in pieces:
@@ -334,6 +374,9 @@ def spread_extrema(layout: Layout, mesh: Mesh, local_at: dict, rng) -> dict:
   out = {}
   for coord, v in local_at.items():
     r = dict(zip(mesh.axis_names, coord))
+    if layout.zero_elsewhere and not layout.holds_at(r):
+      out[coord] = v  # zeros, as the layout says
+      continue
     tile = tuple(tile_coordinate(a, r, mesh) for axes in layout.dims for a in axes)
     piece = 0
     for a in layout.partial:

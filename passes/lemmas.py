@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
-from graphguard_hlo.passes.layout import Layout, scales_equal
+from graphguard_hlo.passes.layout import Layout, merged_pins, scales_equal
 
 # -- op classes ----------------------------------------------------------------
 
@@ -74,6 +74,9 @@ class Lemma:
   ops: frozenset[str]
   statement: str
   rule: Callable[[SeqOp, Sequence[Layout]], Iterator[tuple[dict, Layout]]]
+  # Most lemmas speak of every rank alike and see the operands' layouts with
+  # their pins dropped (``apply_lemmas`` pins the result); these read pins.
+  reads_pins: bool = False
 
 
 def _local_type(op: SeqOp, layout: Layout) -> Optional[ir.TensorType]:
@@ -459,7 +462,59 @@ def _pad(op: SeqOp, ls: Sequence[Layout]):
   if not scales_equal(v.scale, a.scale) or not (
       same or (not v.partial and a.partial_kind != "sum")):
     return
-  yield op.attrs, a
+  yield _pad_attrs(op), a
+
+
+def _pad_attrs(op: SeqOp) -> dict:
+  return {k: v for k, v in op.attrs.items() if k != "gg.padding_value"}
+
+
+def _pad_into_one_tile(op: SeqOp, ls: Sequence[Layout]):
+  """pad(x, 0) with x inside tile t of dim k, where the operand is the
+  sequential x at the ranks holding tile t and zero at all others: every
+  rank's pad of its value into tile-sized room is its tile of the result
+  (the inverse of slice-of-one-tile: a stage's gradient padded into its rows
+  of a stack).  The padding value must be 0 (``gg.padding_value``, a splat the
+  caller read) at every rank, since the other ranks' tiles are all padding."""
+  a, v = ls
+  if op.attrs.get("gg.padding_value") != 0.0 or not a.zero_elsewhere:
+    return
+  if v.partial or (v.at and not v.zero_elsewhere):
+    return  # pieces of 0, or junk off its pins: some rank would not pad with 0
+  lo, hi, inner = (list(op.attrs[k]) for k in ("edge_padding_low", "edge_padding_high",
+                                               "interior_padding"))
+  out = op.result_type.shape
+  padded = [d for d in range(a.rank) if lo[d] or hi[d]]
+  if any(inner) or any(a.dims[d] for d in padded) or len(padded) != 1:
+    return
+  (k,) = padded
+  pins = dict(a.at)
+  for axes in _pin_tilings(pins, op.mesh):
+    n = math.prod(op.mesh.axis_size(x) for x in axes)
+    if out[k] % n:
+      continue
+    size = out[k] // n
+    t = 0
+    for x in axes:  # the tile the pins name, major axis first
+      t = t * op.mesh.axis_size(x) + pins[x]
+    start, width = lo[k] - t * size, op.operand_types[0].shape[k]
+    if lo[k] < 0 or hi[k] < 0 or start < 0 or start + width > size:
+      continue
+    local_lo, local_hi = list(lo), list(hi)
+    local_lo[k], local_hi[k] = start, size - start - width
+    dims = tuple(axes if d == k else a.dims[d] for d in range(a.rank))
+    rest = tuple((x, c) for x, c in a.at if x not in axes)
+    yield ({**_pad_attrs(op), "edge_padding_low": tuple(local_lo),
+            "edge_padding_high": tuple(local_hi)},
+           a.with_(dims=dims, at=rest, zero_elsewhere=bool(rest)))
+
+
+def _pin_tilings(pins: dict, mesh: ir.Mesh) -> Iterator[tuple[str, ...]]:
+  """Orders of pinned axes a padded dim may be tiled by (every nonempty
+  sequence of distinct pinned axes of size > 1)."""
+  axes = [x for x in sorted(pins) if mesh.axis_size(x) > 1]
+  for n in range(1, len(axes) + 1):
+    yield from itertools.permutations(axes, n)
 
 
 def _dynamic_slice(op: SeqOp, ls: Sequence[Layout]):
@@ -550,6 +605,9 @@ LEMMAS: tuple[Lemma, ...] = (
           "dim k", _dynamic_update_slice),
     Lemma("pad-untiled-dims", frozenset({"pad"}), "pad(concat(a_r,k)) = concat(pad(a_r),k) "
           "if dim k is not padded", _pad),
+    Lemma("pad-into-one-tile", frozenset({"pad"}),
+          "pad(x, 0) = concat_r(pad(x_r, 0) into tile-sized room) if x_r is x at the ranks "
+          "holding x's tile and 0 at the others", _pad_into_one_tile, reads_pins=True),
 )
 REPLICA_LEMMA = Lemma("identical-on-replicas", frozenset(), "f(x) = f(x) on whole replicas",
                       _replicas)
@@ -568,11 +626,52 @@ def lemmas_for(name: str) -> list[Lemma]:
 
 
 def apply_lemmas(op: SeqOp, layouts: Sequence[Layout]) -> Iterator[Step]:
-  """Every (local op, result layout) some lemma derives for these operand layouts."""
+  """Every (local op, result layout) some lemma derives for these operand layouts.
+
+  Pinned operands are lifted here, for every lemma alike: a local op computes
+  the same at every rank, so what its operands are at the pinned ranks its
+  result is there (layout.py), and zero wherever operands that force a zero
+  result (``ZERO_PRESERVING``) are zero."""
+  pins = merged_pins(*(l.at for l in layouts))
+  if pins is None:
+    return  # operands known at different ranks: nothing in common
+  bare = [l.unpinned() for l in layouts]
+  zeros = pins and _zeros_forced(op, layouts, pins)
   for lemma in lemmas_for(op.name):
-    for attrs, layout in lemma.rule(op, layouts):
+    for attrs, layout in lemma.rule(op, layouts if lemma.reads_pins else bare):
+      if pins and not lemma.reads_pins:
+        both = merged_pins(layout.at, pins)
+        if both is None:
+          continue
+        layout = layout.with_(at=both, zero_elsewhere=zeros and both == pins)
       if not layout.is_valid():
         continue
       t = _local_type(op, layout)
       if t is not None:
         yield Step(attrs, t, layout, lemma.name)
+
+
+# Operand groups that, all zero, make the op's result zero whatever the other
+# operands are (read in real arithmetic, layout.py).  ``None``: all operands.
+_UNARY_ZERO = ((0,),)
+ZERO_PRESERVING: dict[str, Optional[tuple[tuple[int, ...], ...]]] = {
+    **{name: _UNARY_ZERO for name in (
+        "negate", "copy", "convert", "reshape", "transpose", "broadcast_in_dim", "slice",
+        "reverse", "dynamic_slice", "abs", "sqrt", "sine", "tanh", "real", "imag")},
+    "multiply": ((0,), (1,)), "dot_general": ((0,), (1,)), "divide": ((0,),),
+    "add": ((0, 1),), "subtract": ((0, 1),), "select": ((1, 2),), "pad": ((0, 1),),
+    "dynamic_update_slice": ((0, 1),), "concatenate": None, "reduce": None,
+    "maximum": ((0, 1),), "minimum": ((0, 1),),
+}
+
+
+def _zeros_forced(op: SeqOp, layouts: Sequence[Layout], pins) -> bool:
+  """Is the result zero off ``pins``: do operands zero off exactly those ranks
+  form a group that forces it?"""
+  if op.name not in ZERO_PRESERVING:
+    return False
+  groups = ZERO_PRESERVING[op.name] or (tuple(range(len(layouts))),)
+  zero = [l.zero_elsewhere and l.at == pins for l in layouts]
+  if op.name == "divide" and layouts[1].zero_elsewhere:
+    return False  # 0 / 0
+  return any(all(zero[i] for i in group) for group in groups)

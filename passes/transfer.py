@@ -18,7 +18,8 @@ collective or a rank-dependent slice ``g``, then ``s ~ L' of d'``:
      at a ring's offset   * size is known there (partly known, layout.py); a
                           buffer's known tiles and the one written add up
   select(r_x == c, a, 0)  a value pinned at x = c (or replicated over x)
-                          becomes a partial sum over x; select(r_x in T, a, b)
+                          becomes a partial sum over x, and is pinned at c
+                          with zeros elsewhere; select(r_x in T, a, b)
                           pins a to the coordinates in T
   dynamic-slice at r*k    a replica becomes a tile (offsets proved by sympy)
   multiply/divide by c    the scale changes by 1/c or c
@@ -313,11 +314,16 @@ class Transfer:
     if len(chosen) == self.mesh.axis_size(axis):
       yield l
     else:
-      for c in where:
-        yield l.with_(at=tuple({**pins, axis: c}.items()))
-    if len(chosen) == 1 and self.deg.splat(self.deg.of(other)) == 0.0 and (
-        not l.partial or l.partial_kind == "sum"):
-      rest = tuple((a, c) for a, c in l.at if a != axis)
+      for c in where:  # (what b is at the other ranks, we do not know)
+        yield l.with_(at=tuple({**pins, axis: c}.items()), zero_elsewhere=False)
+    if len(chosen) != 1 or self.deg.splat(self.deg.of(other)) != 0.0:
+      return
+    rest = tuple((a, c) for a, c in l.at if a != axis)
+    if not rest or l.zero_elsewhere:
+      # Zero off r_x == c (and off the other pins, where a was zero): summed
+      # over the pinned axes, a partial sum (``Layout.summed_over_pins``).
+      yield l.with_(at=tuple({**pins, axis: where[0]}.items()), zero_elsewhere=True)
+    elif not l.partial or l.partial_kind == "sum":
       yield l.with_(at=rest, partial=tuple(l.partial) + (axis,), partial_kind="sum")
 
   def rank_predicate(self, pred: ir.Value) -> Optional[tuple[str, set[int]]]:

@@ -560,6 +560,54 @@ def pad(draw, mesh, seed):
   return Case(seq_op("pad", attrs, [x, value], out, mesh), [a, v], [x, value], seed)
 
 
+@st.composite
+def pad_into_one_tile(draw, mesh, seed):
+  """A stage's gradient (zero off its pins) padded into its rows of a stack:
+  one dim padded into the tile the pins name, the others tiled freely.
+  Nearby cases the lemma must refuse: no zeros elsewhere, a nonzero padding
+  value, the pad straddling two tiles, a padding value that is pieces of 0."""
+  big = [a for a, n in mesh.axes if n > 1]
+  if not big:
+    return draw(pad(mesh, seed))
+  pinned = draw(st.lists(st.sampled_from(big), min_size=1, max_size=len(big), unique=True))
+  pins = tuple((a, draw(st.integers(0, mesh.axis_size(a) - 1))) for a in pinned)
+  rank = draw(st.integers(1, 3))
+  k = draw(st.integers(0, rank - 1))
+  free = [a for a in mesh.axis_names if a not in pinned]
+  dims = [[] for _ in range(rank)]
+  for a in free:
+    d = draw(st.sampled_from([d for d in range(rank) if d != k] + [None]))
+    if d is not None:
+      dims[d].append(a)
+  a = Layout(tuple(map(tuple, dims)), at=pins, zero_elsewhere=draw(st.integers(0, 5)) > 0)
+  rng = np.random.default_rng(seed)
+  shape = list(draw_shape(draw, mesh, a))
+  tiling = draw(st.permutations(pinned))  # the order the lemma may tile dim k in
+  n = tiles(mesh, tiling)
+  size = draw(st.integers(1, 4))
+  shape[k] = draw(st.integers(1, size))
+  t = 0
+  for x in tiling:
+    t = t * mesh.axis_size(x) + dict(pins)[x]
+  start = draw(st.integers(0, size - shape[k] + draw(st.sampled_from([0, 0, 0, 1]))))
+  lo = t * size + start
+  hi = n * size - lo - shape[k]
+  if hi < 0:
+    return draw(pad(mesh, seed))
+  x = random_values(rng, tuple(shape))
+  fill = draw(st.sampled_from([0.0, 0.0, 0.0, 1.0]))
+  value = np.array(fill)
+  v = draw(st.sampled_from([Layout.replicated(0)] * 2 + [Layout((), at=pins, zero_elsewhere=True),
+                            Layout((), tuple(free[:1]))]))
+  lows, highs = [0] * rank, [0] * rank
+  lows[k], highs[k] = lo, hi
+  attrs = {"edge_padding_low": tuple(lows), "edge_padding_high": tuple(highs),
+           "interior_padding": (0,) * rank, "gg.padding_value": fill}
+  out = list(shape)
+  out[k] = n * size
+  return Case(seq_op("pad", attrs, [x, value], out, mesh), [a, v], [x, value], seed)
+
+
 def _offsets(draw, shape, sizes, layout_of_offset):
   """Start indices as rank-0 values, sometimes out of bounds (StableHLO clamps)."""
   values = [np.array(float(draw(st.integers(-1, n - k + 1)))) for n, k in zip(shape, sizes)]
@@ -615,6 +663,7 @@ GENERATORS = {
     "slice-of-one-tile": slice_one_tile,
     "concatenate-other-dim": concatenate,
     "pad-untiled-dims": pad,
+    "pad-into-one-tile": pad_into_one_tile,
 }
 
 
@@ -671,6 +720,83 @@ def test_lemma_is_sound(name):
 
   check()
   assert hits["target"] >= 0.2 * hits["cases"], (name, hits)
+
+
+@st.composite
+def any_elementwise(draw, mesh, seed):
+  """Any elementwise op on operands tiled alike, partial sums too."""
+  name = draw(st.sampled_from(sorted(ELEMENTWISE_DOMAINS)))
+  layout = draw_layout(draw, mesh, draw(st.integers(0, 2)), partial=draw(st.booleans()))
+  return elementwise_case(draw, name, layout, mesh, seed)
+
+
+@st.composite
+def pinned_case(draw):
+  """Any lemma's case on a mesh with one more axis "p", no layout's: some
+  operands are pinned on it, the sequential value at one coordinate and zero
+  (or anything) at the others; sometimes one is pinned at another
+  coordinate (no rank holds both)."""
+  # Elementwise ops (whose zero rules differ most) and slices of one tile
+  # (which pin other axes) drawn as often as all other lemmas together.
+  generator = draw(st.sampled_from([any_elementwise, slice_one_tile, None]))
+  generator = generator or draw(st.sampled_from(OTHER_GENERATORS))
+  case = draw(generator(draw(meshes()), draw(st.integers(0, 2**32 - 1))))
+  n = draw(st.integers(2, 3))
+  case.op = dataclasses.replace(case.op, mesh=ir.Mesh(case.op.mesh.axes + (("p", n),)))
+  c = draw(st.integers(0, n - 1))
+  layouts = []
+  for l in case.layouts:
+    how = draw(st.sampled_from(["keep", "pin", "zeros", "zeros", "zeros", "other"]))
+    if how == "keep":
+      layouts.append(l)
+    else:
+      at = ("p", (c + 1) % n if how == "other" else c)
+      layouts.append(l.with_(at=tuple(sorted(l.at + (at,))), zero_elsewhere=how != "pin"))
+  case.layouts = layouts
+  return case
+
+
+def test_pins_lift_to_results():
+  """``apply_lemmas`` pins a local op's result where its operands are pinned,
+  zero elsewhere when operands zero there force it (``ZERO_PRESERVING``):
+  every such step is checked rank by rank, zeros included (``assemble``)."""
+  hits = {"pinned": 0, "zeros": 0, "steps": 0, "cases": 0}
+
+  @settings(SETTINGS, max_examples=600)
+  @given(pinned_case())
+  def check(case):
+    hits["cases"] += 1
+    with np.errstate(all="ignore"):  # ops off their domain on the zeros
+      check_case(case)
+    for step in apply_lemmas(case.op, case.layouts):
+      hits["steps"] += 1
+      hits["pinned"] += bool(step.layout.at)
+      hits["zeros"] += step.layout.zero_elsewhere
+
+  check()
+  assert hits["zeros"] >= 0.1 * hits["steps"] and hits["pinned"] > hits["zeros"], hits
+
+
+@SETTINGS
+@given(st.data())
+def test_zeros_elsewhere_summed_over_the_pins_is_a_partial_sum(data):
+  """Zero off the pinned ranks: the sum over the pinned axes is the pinned
+  rank's value, so the same per-rank values rebuild S as a partial sum."""
+  mesh = data.draw(meshes())
+  layout = draw_layout(data.draw, mesh, data.draw(st.integers(0, 2)), kinds=("sum", "max"))
+  free = [a for a in mesh.axis_names if a not in layout.used_axes()]
+  if not free:
+    return
+  pinned = data.draw(st.lists(st.sampled_from(free), min_size=1, unique=True))
+  layout = layout.with_(at=tuple(sorted((a, data.draw(st.integers(0, mesh.axis_size(a) - 1)))
+                                        for a in pinned)), zero_elsewhere=True)
+  summed = layout.summed_over_pins()
+  if layout.partial and layout.partial_kind == "max":
+    assert summed is None
+    return
+  rng = np.random.default_rng(0)
+  value = random_values(rng, draw_shape(data.draw, mesh, layout))
+  np.testing.assert_allclose(assemble(summed, mesh, shard(layout, mesh, value, rng)), value)
 
 
 # -- fixed cases: the semantics the tests above rely on ----------------------------------

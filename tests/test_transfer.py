@@ -371,11 +371,13 @@ def _off_axis(layout: Layout, axis: str) -> Layout:
 
 def draw_axis_and_layout(data, mesh: ir.Mesh, layout: Layout, pin) -> tuple[str, Layout]:
   """A mesh axis and ``layout`` off it, pinned to one of its coordinates
-  (``pin`` True), never, or as drawn (``pin`` None)."""
+  (``pin`` True), never, or as drawn (``pin`` None); pinned, sometimes zero
+  at the other coordinates."""
   axis = data.draw(st.sampled_from(list(mesh.axis_names)))
   layout = _off_axis(layout, axis)
   if pin or (pin is None and data.draw(st.booleans())):
-    layout = layout.with_(at=((axis, data.draw(st.integers(0, mesh.axis_size(axis) - 1))),))
+    layout = layout.with_(at=((axis, data.draw(st.integers(0, mesh.axis_size(axis) - 1))),),
+                          zero_elsewhere=data.draw(st.booleans()))
   return axis, layout
 
 
@@ -482,7 +484,8 @@ def test_collective_permute_moves_a_pinned_value():
 def test_select_on_a_mesh_coordinate(other):
   """select(r_x <op> c, x, k) and select(r_x <op> c, k, x): x's relation holds
   where it is picked (pinned there); picked at one coordinate against zeros
-  (k = 0) it is a partial sum over x.  k = 3 must never give a partial sum."""
+  (k = 0) it is a partial sum over x, and pinned there with zeros elsewhere
+  (if x was zero off its other pins).  k = 3 gives neither."""
   hits = Hits()
 
   @SETTINGS
@@ -490,6 +493,11 @@ def test_select_on_a_mesh_coordinate(other):
   def check(setup, data):
     mesh, layout, shape, seed = setup
     axis, layout = draw_axis_and_layout(data, mesh, layout, pin=None)
+    others = [a for a, n in mesh.axes if n > 1 and a != axis and a not in layout.used_axes()]
+    if others and not layout.at and data.draw(st.integers(0, 2)):  # pinned on another axis
+      b = data.draw(st.sampled_from(others))
+      layout = layout.with_(at=((b, data.draw(st.integers(0, mesh.axis_size(b) - 1))),),
+                            zero_elsewhere=data.draw(st.booleans()))
     n = mesh.axis_size(axis)
     lshape = local(layout, shape, mesh)
     prog = Program(mesh, lshape)
@@ -507,10 +515,32 @@ def test_select_on_a_mesh_coordinate(other):
     news = check_rule(prog, op, layout, values(shape, seed), seed)
     if other != 0.0:
       assert all(set(l.partial) == set(layout.partial) for l in news)
+      assert all(not l.zero_elsewhere or layout.zero_elsewhere for l in news)
+    zeros["yielded"] += any(l.zero_elsewhere for l in news)
     hits.add(news)
 
+  zeros = {"yielded": 0}
   check()
   hits.check(0.3)
+  assert other != 0.0 or zeros["yielded"] >= 10, zeros
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_select_keeps_zeros_only_where_known(zeros):
+  """select(r_x == 1, a, 0) with a pinned at y = 0: zero off (x=1, y=0) only if
+  a was zero off y = 0 (at x=1, y=1 it is a's junk otherwise)."""
+  mesh = ir.Mesh((("x", 2), ("y", 2)))
+  layout = Layout(((),), at=(("y", 0),), zero_elsewhere=zeros)
+  prog = Program(mesh, (3,))
+  pred = prog.add("compare", [prog.axis_index("x"), prog.const(1, "i32")], (), "pred",
+                  attrs={"comparison_direction": "EQ"}).result
+  mask = prog.add("broadcast_in_dim", [pred], (3,), "pred",
+                  attrs={"broadcast_dimensions": ()}).result
+  k = prog.add("broadcast_in_dim", [prog.const(0.0, "f32")], (3,),
+               attrs={"broadcast_dimensions": ()}).result
+  op = prog.add("select", [mask, prog.param, k], (3,))
+  news = check_rule(prog, op, layout, values((3,), 0), 0)
+  assert [l.at for l in news if l.zero_elsewhere] == ([(("x", 1), ("y", 0))] if zeros else [])
 
 
 # -- rank-dependent dynamic-slice ----------------------------------------------------------
