@@ -721,6 +721,22 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                "wrong_permutation", "multiply"))
   built.append(_shard_map_case("llama3", PP, cfg, "wrong_permutation", _pp_par(shift=-1),
                                "wrong_permutation", "multiply"))
+  # Forward+backward through the stages: the masked psum transposes to the
+  # cotangent at the last stage and zeros elsewhere, each stage's gradient is
+  # padded into its rows of the stacks; and one SGD step on top.
+  if grad:
+    for model in MODELS:
+      built.append(_shard_map_grad_case(model, PP, cfg))
+    built.append(_shard_map_grad_case("gpt2", PP, cfg, sgd_step=True))
+    # Without the varying-axes checker the masked psum transposes to another
+    # psum: every stage's cotangent is |pp| times too large.  GPT-2 meets it
+    # where the tied embedding's two gradients are added; Llama-3 (untied) at
+    # the embedding's gradient, also never summed over the stages.
+    built.append(_shard_map_grad_case("gpt2", PP, cfg, "double_counted_grad", check_vma=False,
+                                      bug="double_counted_grad", bug_primitive="add"))
+    built.append(_shard_map_grad_case("llama3", PP, cfg, "double_counted_grad",
+                                      check_vma=False, bug="double_counted_grad",
+                                      bug_primitive="output"))
   # Keys and values round a ring, and the ring turning the wrong way: blocks
   # land at other blocks' places; the first op reading the gathered keys is
   # the scores' dot_general (Llama: the kv heads' repeat, a broadcast_in_dim).
