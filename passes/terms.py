@@ -21,6 +21,9 @@ _NON_SEMANTIC = {"channel_handle", "precision_config", "precision", "result_accu
                  "algorithm", "metadata", "backend_config", "operand_layouts",
                  "result_layouts", "mhlo.sharding_rule", "sdy.sharding_rule",
                  "use_global_device_ids", "gg.permutation",
+                 # Physical layouts (HLO's {2,0,1}): a value's memory order,
+                 # never its logical content.
+                 "result_layout", "xla_shape",
                  # Implied by the operand type (XLA drops it, jax prints it).
                  "compare_type"}
 

@@ -267,6 +267,21 @@ def _gather_seq(x):
   return lax.all_gather(x, "tp", axis=0, tiled=True)
 
 
+def heads_seq(x, wq):
+  """Project and split into heads, heads major: [heads, seq, head_dim]."""
+  s = x.shape[0]
+  return jnp.tanh(jnp.transpose((x @ wq).reshape(s, 4, -1), (1, 0, 2)))
+
+
+def _tp_heads_local(permutation):
+  """Each rank projects its heads; ``permutation`` (1, 2, 0) is the bug: head
+  dims and positions swapped, the same shape when head_dim == seq."""
+  def local(x, wq):
+    s = x.shape[0]
+    return jnp.tanh(jnp.transpose((x @ wq).reshape(s, 1, -1), permutation))
+  return local
+
+
 def _gather_hidden_then_reshape(x):
   """The bug: gather along hidden, then reshape to the shape the seq gather
   would have produced.  Types check; rows come out interleaved by device."""
@@ -325,6 +340,10 @@ _PROGRAMS = {p.name: p for p in [
              ((16, 32), (32, 64), (64,), (64, 32), (32,)),
              (P("dp", None), P(None, "tp"), P("tp"), P("tp", None), P()),
              P("dp", None), (2, 4), ("dp", "tp")),
+    _Program("tp_heads", heads_seq,
+             ((8, 32), (32, 32)),
+             (P(), P(None, "tp")),
+             P("tp"), (4,), ("tp",)),
     _Program("sp_allgather_mlp", mlp_seq,
              ((32, 32), (32, 64), (64,), (64, 32), (32,)),
              (P("tp", None), P(None, "tp"), P("tp"), P("tp", None), P()),
@@ -384,6 +403,12 @@ def _variants() -> list[_Variant]:
         "wrong_replica_groups", "add", check_vma=False),
       V("dp_tp_mlp", _dp_tp_mlp_local(("dp", "tp")),
         "wrong_replica_groups_both", "wrong_replica_groups", "add"),
+      V("tp_heads", _tp_heads_local((1, 0, 2))),
+      # The local transpose only moves a unit dim in the right program, so the
+      # sequential transpose relates to its operand either way; the first
+      # value no rank holds is the tanh of it.
+      V("tp_heads", _tp_heads_local((1, 2, 0)), "wrong_transpose", "wrong_transpose",
+        "tanh"),
       V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_seq)),
       # Rows reach x @ w1 permuted, so the first matmul is already wrong.
       V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_hidden_then_reshape),
