@@ -94,25 +94,104 @@ def _operand_problems(inf, op: ir.Op) -> list[str]:
 def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
   """A per-device op of the same kind that reads values related to our operands."""
   related = {r.cls: r for v in op.operands for r in inf.relations.get(v.id, [])}
-  for cls, rel in related.items():
-    for d_op in inf.users.get(cls, ()):
-      if d_op.name != op.name:
-        continue
-      notes = []
-      for dv in d_op.operands:
-        c = inf.deg.of(dv)
-        if c in related:
-          lay = related[c].layout
-          if not lay.is_clean():
-            notes.append(f"{_dname(dv)}, where {_scale_words(lay.scale, inf.mesh)}")
-          elif lay.partial:
-            notes.append(f"{_dname(dv)}, a partial sum over {_axes(lay.partial)}")
-        elif dv.producer is not None and inf.deg.splat(c) is None:  # (constants match)
-          notes.append(f"{_dname(dv)} (at {dv.producer.location}), which relates to no "
-                       "sequential value")
-      if notes:
-        return f"the per-device {op.name} at {d_op.location} reads " + "; ".join(notes)
+  for d_op in _same_kind_nearby(inf, op, related):
+    notes = []
+    for dv in d_op.operands:
+      c = inf.deg.of(dv)
+      if c in related:
+        lay = related[c].layout
+        if not lay.is_clean():
+          notes.append(f"{_dname(dv)}, where {_scale_words(lay.scale, inf.mesh)}")
+        elif lay.partial:
+          notes.append(f"{_dname(dv)}, a partial sum over {_axes(lay.partial)}")
+      elif dv.producer is not None and inf.deg.splat(c) is None:  # (constants match)
+        notes.append(f"{_dname(dv)} (at {dv.producer.location}), which relates to no "
+                     f"sequential value{_made_from_related(inf, op, dv)}")
+    if notes:
+      return f"the per-device {op.name} at {d_op.location} reads " + "; ".join(notes)
   return None
+
+
+def _same_kind_nearby(inf, op: ir.Op, related: dict):
+  """Per-device ops of ``op``'s kind that read values related to its operands,
+  or values computed from them by one op (where a bug often sits)."""
+  seen = set()
+  for hops in (1, 2):
+    for cls in related:
+      frontier = [cls]
+      for _ in range(hops - 1):
+        frontier = [inf.deg.of(r) for c in frontier for u in inf.users.get(c, ())
+                    for r in u.results]
+      for c in frontier:
+        for d_op in inf.users.get(c, ()):
+          if d_op.name == op.name and id(d_op) not in seen:
+            seen.add(id(d_op))
+            yield d_op
+
+
+def _made_from_related(inf, op: ir.Op, dv: ir.Value) -> str:
+  """': it is a transpose (permutation [1, 2, 0]) of %x, which is the
+  sequential %4 as ...' when an unrelated value is one op away from a value
+  related to one of ``op``'s operands: that op is where to look."""
+  p = dv.producer
+  if p.name in COLLECTIVES:
+    return ""  # said by _collective_words, in the collective's own terms
+  for x in p.operands:
+    for v in op.operands:
+      for r in inf.relations.get(v.id, []):
+        if r.cls == inf.deg.of(x):
+          shown = [f"{k} {_attr_text(a)}" for k, a in p.attrs.items()
+                   if not k.startswith(("gg.", "test."))]
+          attrs = f" ({', '.join(shown)})" if shown else ""
+          return (f": it is a {p.name}{attrs} of {_dname(x)}, which is the sequential "
+                  f"%{v.id} as {r.layout.describe('d')}")
+  return ""
+
+
+def _mismatch_words(inf, op: ir.Op) -> Optional[str]:
+  """A per-device op of the same kind reads values related to our operands,
+  in the same places, but its result or attributes are not those any lemma
+  asks for on them: say what differs (dims in another order, another slice)."""
+  related = {r.cls: r for v in op.operands for r in inf.relations.get(v.id, [])}
+  for cls in related:
+    for d_op in inf.users.get(cls, ()):
+      if d_op.name == op.name:
+        words = _attr_words(inf, op, d_op)
+        if words:
+          return words
+  return None
+
+
+def _attr_words(inf, op: ir.Op, d_op: ir.Op) -> Optional[str]:
+  if len(op.operands) != len(d_op.operands):
+    return None
+  layouts = []
+  for v, dv in zip(op.operands, d_op.operands):
+    c = inf.deg.of(dv)
+    if v.id in inf.splats and inf.deg.splat(c) is not None:
+      layouts.append(Layout.replicated(v.type.rank))
+      continue
+    mine = [r.layout for r in inf.relations.get(v.id, []) if r.cls == c]
+    if not mine:
+      return None  # not the related value in this place
+    layouts.append(mine[0])
+  got = d_op.results[0].type if d_op.results else None
+  for step in inf.lemma_steps(op, layouts):
+    head = f"the per-device {op.name} at {d_op.location} reads the related operands but"
+    if got is not None and got.shape != step.result_type.shape:
+      return (f"{head} gives {got} where {step.layout.describe('d')} needs "
+              f"{step.result_type} (dims laid out in another order?)")
+    differ = sorted(k for k, want in step.attrs.items()
+                    if not k.startswith("gg.") and d_op.attrs.get(k) != want)
+    if differ:
+      shown = "; ".join(f"{k} {_attr_text(d_op.attrs.get(k))} where {_attr_text(step.attrs[k])} "
+                        f"would give {step.layout.describe('d')}" for k in differ)
+      return f"{head} with {shown} (dims or indices in another order?)"
+  return None
+
+
+def _attr_text(value) -> str:
+  return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
 def _pin_words(inf, op: ir.Op) -> Optional[str]:
@@ -249,7 +328,8 @@ def diagnose_op(inf, op: ir.Op):
   if counterpart and not any(counterpart in p for p in problems):
     problems.append(counterpart)
   if not problems:
-    problems.append(f"no op of the per-device program computes this {op.name} from values "
+    problems.append(_mismatch_words(inf, op) or
+                    f"no op of the per-device program computes this {op.name} from values "
                     "related to its operands (no lemma gives a clean expression)")
   seq_ctx, dist_ctx = _context(inf, op)
   return Failure(op.name, op.location, inputs, "; ".join(dict.fromkeys(problems)),

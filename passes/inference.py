@@ -297,14 +297,7 @@ class RelationInference:
       if splat is not None:
         self.splats[op.results[0].id] = splat
         return
-    attrs = dict(op.attrs)
-    if op.name == "reduce" and op.regions:
-      attrs["gg.reduction"] = reducer_kind(op.regions[0])
-    if op.name == "pad" and op.operands[1].id in self.splats:
-      attrs["gg.padding_value"] = self.splats[op.operands[1].id]
-    seq_op = SeqOp(op.name, attrs, tuple(v.type for v in op.operands),
-                   op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh,
-                   self.transfer.rings)
+    seq_op = self.seq_op(op)
     self._scale_by_constant(op)
     self._with_identity(op)
     if op.name == "iota":
@@ -328,6 +321,22 @@ class RelationInference:
 
   # -- rings: a reduction over the blocks a ring visits --------------------------
   _FOLD = {"sum": "add", "max": "maximum", "min": "minimum"}
+
+  def seq_op(self, op: ir.Op) -> SeqOp:
+    """What lemmas read of a sequential op, with the facts they cannot see
+    for themselves: a reduce's reducer, a pad's constant padding value."""
+    attrs = dict(op.attrs)
+    if op.name == "reduce" and op.regions:
+      attrs["gg.reduction"] = reducer_kind(op.regions[0])
+    if op.name == "pad" and op.operands[1].id in self.splats:
+      attrs["gg.padding_value"] = self.splats[op.operands[1].id]
+    return SeqOp(op.name, attrs, tuple(v.type for v in op.operands),
+                 op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh,
+                 self.transfer.rings)
+
+  def lemma_steps(self, op: ir.Op, layouts: list[Layout]) -> list:
+    """The local ops lemmas propose for ``op`` on operands with these layouts."""
+    return self._steps(self.seq_op(op), layouts)
 
   def _ring_folds(self, op: ir.Op, seq_op: SeqOp) -> None:
     """reduce(S, k), or a dot contracting k, where each rank holds block

@@ -35,9 +35,45 @@ def test_correct_model_is_proved(case):
   assert result.refines, result
 
 
+# What each seeded bug's diagnosis must say: the words that name the bug class.
+_DIAGNOSES: dict[str, str] = {
+    "gpt2/fsdp/shard_map/wrong_gather_dim": "shard concatenated on the wrong dim",
+    "llama3/sp/shard_map/rope_no_offset": "with no rank offset",
+    "llama3/tp/shard_map/gqa_wrong_heads": "reads the related operands but gives",
+    "gpt2/tp/shard_map/missing_allreduce": "(missing all-reduce)",
+    "llama3/tp/shard_map/missing_allreduce": "(missing all-reduce)",
+    "gpt2/dp/shard_map/loss_wrong_scale": "psum where pmean belongs?",
+    "llama3/dp/shard_map/loss_wrong_scale": "psum where pmean belongs?",
+    "llama3/dp_tp/shard_map/wrong_replica_groups": "wrong replica groups",
+    "llama3/cp/shard_map/mask_no_offset": "with no rank offset",
+    "gpt2/dp_tp_cp/shard_map/kv_gathered_over_wrong_axis": "gathered over the wrong mesh axis",
+    "llama3/dp_tp_cp/shard_map/kv_gathered_over_wrong_axis": "gathered over the wrong mesh axis",
+    "llama3/ep/shard_map/dispatch_to_wrong_rank": "reads %all_to_all",
+    "gpt2/pp/shard_map/wrong_permutation": "activations passed to the wrong stage?",
+    "llama3/pp/shard_map/wrong_permutation": "activations passed to the wrong stage?",
+    "gpt2/pp_grad/shard_map/double_counted_grad": "4 times the sequential one",
+    "llama3/pp_grad/shard_map/double_counted_grad": "4 times its share",
+    "gpt2/cp_ring/shard_map/wrong_permutation": "ring turning the wrong way",
+    "llama3/cp_ring/shard_map/wrong_permutation": "ring turning the wrong way",
+    "gpt2/ring_attention/shard_map/wrong_permutation": "a ring turning the wrong way",
+    "llama3/ring_attention/shard_map/wrong_permutation": "a ring turning the wrong way",
+    "llama3/dp_tp_ring_attention/shard_map/ring_over_wrong_axis": "(wrong axis?)",
+    "gpt2/ring_attention/shard_map/output_not_rescaled": "a rescale forgotten?",
+    "llama3/tp_scan/shard_map/missing_allreduce": "(missing all-reduce)",
+    "gpt2/tp_grad/shard_map/double_counted_grad": "psum where pmean belongs?",
+    "gpt2/dp_grad/shard_map/grad_not_allreduced": "never reduced (missing all-reduce)",
+    "llama3/dp_grad/shard_map/grad_not_allreduced": "never reduced (missing all-reduce)",
+}
+
+
+def test_every_seeded_bug_has_its_diagnosis_words():
+  assert set(_DIAGNOSES) == {c.name for c in CASES if c.bug is not None}
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.bug is not None], ids=lambda c: c.name)
 def test_seeded_model_bug_is_reported_at_its_op(case):
   result = _verify(case)
   assert not result.refines
   assert result.failure.op_name == case.bug_primitive, result.failure.diagnosis
   assert result.failure.location.file.endswith("tools/zoo/models.py")
+  assert _DIAGNOSES[case.name] in result.failure.diagnosis

@@ -47,6 +47,7 @@ _DIAGNOSES = {
     "dp_tp_mlp/shard_map/wrong_replica_groups": "wrong replica groups",
     "sp_allgather_mlp/shard_map/wrong_gather_dim": "wrong dim",
     "sp_rmsnorm/shard_map/swapped_shards": "permuted between ranks",
+    "tp_heads/shard_map/wrong_transpose": "it is a transpose (permutation [1, 2, 0])",
 }
 
 
