@@ -106,7 +106,7 @@ def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
           notes.append(f"{_dname(dv)}, a partial sum over {_axes(lay.partial)}")
       elif dv.producer is not None and inf.deg.splat(c) is None:  # (constants match)
         notes.append(f"{_dname(dv)} (at {dv.producer.location}), which relates to no "
-                     f"sequential value{_made_from_related(inf, op, dv)}")
+                     f"sequential value{_made_from_related(inf, dv)}")
     if notes:
       return f"the per-device {op.name} at {d_op.location} reads " + "; ".join(notes)
   return None
@@ -129,23 +129,42 @@ def _same_kind_nearby(inf, op: ir.Op, related: dict):
             yield d_op
 
 
-def _made_from_related(inf, op: ir.Op, dv: ir.Value) -> str:
+def _made_from_related(inf, dv: ir.Value, depth: int = 4) -> str:
   """': it is a transpose (permutation [1, 2, 0]) of %x, which is the
-  sequential %4 as ...' when an unrelated value is one op away from a value
-  related to one of ``op``'s operands: that op is where to look."""
-  p = dv.producer
-  if p.name in COLLECTIVES:
-    return ""  # said by _collective_words, in the collective's own terms
-  for x in p.operands:
-    for v in op.operands:
-      for r in inf.relations.get(v.id, []):
-        if r.cls == inf.deg.of(x):
-          shown = [f"{k} {_attr_text(a)}" for k, a in p.attrs.items()
-                   if not k.startswith(("gg.", "test."))]
-          attrs = f" ({', '.join(shown)})" if shown else ""
-          return (f": it is a {p.name}{attrs} of {_dname(x)}, which is the sequential "
-                  f"%{v.id} as {r.layout.describe('d')}")
+  sequential %4 as ...': the nearest per-device value (a few ops back) that
+  relates to some sequential one, and the ops from it to ``dv``.  Those ops
+  are where to look.  Said only when the collective right before ``dv`` is
+  not already explained by ``_collective_words``."""
+  seq_of = {}
+  for sid, rels in inf.relations.items():
+    for r in rels:
+      seq_of.setdefault(r.cls, (sid, r))
+  paths = [[dv.producer]]
+  for _ in range(depth):
+    grown = []
+    for path in paths:
+      for x in path[-1].operands:
+        found = seq_of.get(inf.deg.of(x))
+        if found is not None:
+          if path[0].name in COLLECTIVES and len(path) == 1:
+            return ""  # said by _collective_words, in the collective's own terms
+          return _path_words(path, x, *found)
+        if x.producer is not None and inf.deg.splat(inf.deg.of(x)) is None:
+          grown.append(path + [x.producer])
+    paths = grown[:16]
   return ""
+
+
+def _path_words(path: list, x: ir.Value, sid: int, r) -> str:
+  source = f"{_dname(x)}, which is the sequential %{sid} as {r.layout.describe('d')}"
+  if len(path) == 1:
+    p = path[0]
+    shown = [f"{k} {_attr_text(a)}" for k, a in p.attrs.items()
+             if not k.startswith(("gg.", "test."))]
+    attrs = f" ({', '.join(shown)})" if shown else ""
+    return f": it is a {p.name}{attrs} of {source}"
+  steps = ", ".join(f"{p.name} at {p.location}" for p in reversed(path))
+  return f": it is computed from {source}, by {steps}"
 
 
 def _mismatch_words(inf, op: ir.Op) -> Optional[str]:
