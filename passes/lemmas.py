@@ -660,7 +660,8 @@ ZERO_PRESERVING: dict[str, Optional[tuple[tuple[int, ...], ...]]] = {
         "reverse", "dynamic_slice", "abs", "sqrt", "sine", "tanh", "real", "imag")},
     "multiply": ((0,), (1,)), "dot_general": ((0,), (1,)), "divide": ((0,),),
     "add": ((0, 1),), "subtract": ((0, 1),), "select": ((1, 2),), "pad": ((0, 1),),
-    "dynamic_update_slice": ((0, 1),), "concatenate": None, "reduce": None,
+    "dynamic_update_slice": ((0, 1),), "concatenate": None,
+    "reduce": None,  # with a sum, max or min reducer
     "maximum": ((0, 1),), "minimum": ((0, 1),),
 }
 
@@ -670,6 +671,8 @@ def _zeros_forced(op: SeqOp, layouts: Sequence[Layout], pins) -> bool:
   form a group that forces it?"""
   if op.name not in ZERO_PRESERVING:
     return False
+  if op.name == "reduce" and op.attrs.get("gg.reduction") not in ("sum", "max", "min"):
+    return False  # a reducer body of its own need not map zeros to zero
   groups = ZERO_PRESERVING[op.name] or (tuple(range(len(layouts))),)
   zero = [l.zero_elsewhere and l.at == pins for l in layouts]
   if op.name == "divide" and layouts[1].zero_elsewhere:
