@@ -1,4 +1,5 @@
-"""GPT-2 and Llama-3 under dp, tp, sp, cp, dp x tp and dp x tp x cp, layers unrolled and under
+"""GPT-2 and Llama-3 under dp, tp, sp, cp, pp, dp x tp, pp x tp and dp x tp x cp (and more,
+``tools/zoo/strategies.py``), layers unrolled and under
 lax.scan, forward and forward+backward: proved, and seeded bugs
 reported at their op.  GSPMD programs the engine cannot prove yet are listed
 with the reason (the test fails when one starts being proved)."""
@@ -52,6 +53,7 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/pp/shard_map/wrong_permutation": "activations passed to the wrong stage?",
     "llama3/pp/shard_map/wrong_permutation": "activations passed to the wrong stage?",
     "gpt2/pp_grad/shard_map/double_counted_grad": "4 times the sequential one",
+    "gpt2/pp_tp/shard_map/wrong_replica_groups": "wrong replica groups",
     "llama3/pp_grad/shard_map/double_counted_grad": "4 times its share",
     "gpt2/cp_ring/shard_map/wrong_permutation": "ring turning the wrong way",
     "llama3/cp_ring/shard_map/wrong_permutation": "ring turning the wrong way",

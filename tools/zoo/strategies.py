@@ -385,6 +385,15 @@ _STRATEGIES = {s.name: s for s in [
 PP = _Strategy("pp", (4,), ("pp",), P(), _no_param_specs, _pp_par,
                (("stacked_params", True), ("layers", 8)), layer_axis="pp")
 
+# Pipeline stages with Megatron TP inside each: 2 stages x 4 tp ranks, the
+# stacked weights split over "pp" by layer and over "tp" like TP's.
+def _pp_tp_par(reduce_attn=_psum):
+  return dataclasses.replace(_tp_par(reduce_attn), run_stack=_pipeline_stages("pp"))
+
+
+PP_TP = _Strategy("pp_tp", (2, 4), ("pp", "tp"), P(), _tp_param_spec, _pp_tp_par,
+                  (("stacked_params", True), ("layers", 4)), layer_axis="pp")
+
 # Context parallelism with keys and values passed round a ring of ppermutes
 # (shard_map only: the ring is the hand-written part; under GSPMD it is ``cp``).
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
@@ -737,6 +746,16 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_shard_map_grad_case("llama3", PP, cfg, "double_counted_grad",
                                       check_vma=False, bug="double_counted_grad",
                                       bug_primitive="output"))
+  # Stages with tensor parallelism inside (2 x 4): forward and backward; and
+  # attention's partial sums reduced over ("pp", "tp"): every stage adds the
+  # other stage's, so the residual add after it reads nothing related.
+  for model in MODELS:
+    built.append(_shard_map_case(model, PP_TP, cfg, "ok", PP_TP.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, PP_TP, cfg))
+  built.append(_shard_map_case("gpt2", PP_TP, cfg, "wrong_replica_groups",
+                               _pp_tp_par(lambda axis: _psum(("pp", axis))),
+                               "wrong_replica_groups", "add"))
   # Keys and values round a ring, and the ring turning the wrong way: blocks
   # land at other blocks' places; the first op reading the gathered keys is
   # the scores' dot_general (Llama: the kv heads' repeat, a broadcast_in_dim).
