@@ -394,6 +394,11 @@ def _pp_tp_par(reduce_attn=_psum):
 PP_TP = _Strategy("pp_tp", (2, 4), ("pp", "tp"), P(), _tp_param_spec, _pp_tp_par,
                   (("stacked_params", True), ("layers", 4)), layer_axis="pp")
 
+# 3D: batch over "dp", stages over "pp", Megatron TP over "tp" (2 x 2 x 2).
+DP_PP_TP = _Strategy("dp_pp_tp", (2, 2, 2), ("dp", "pp", "tp"), P("dp", None), _tp_param_spec,
+                     lambda: dataclasses.replace(_dp_tp_par(), run_stack=_pipeline_stages("pp")),
+                     (("stacked_params", True), ("layers", 4)), layer_axis="pp")
+
 # Context parallelism with keys and values passed round a ring of ppermutes
 # (shard_map only: the ring is the hand-written part; under GSPMD it is ``cp``).
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
@@ -749,10 +754,11 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # Stages with tensor parallelism inside (2 x 4): forward and backward; and
   # attention's partial sums reduced over ("pp", "tp"): every stage adds the
   # other stage's, so the residual add after it reads nothing related.
-  for model in MODELS:
-    built.append(_shard_map_case(model, PP_TP, cfg, "ok", PP_TP.par()))
+  # And on the 2x2x2 mesh with the batch over "dp" too.
+  for model, strategy in itertools.product(MODELS, (PP_TP, DP_PP_TP)):
+    built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
     if grad:
-      built.append(_shard_map_grad_case(model, PP_TP, cfg))
+      built.append(_shard_map_grad_case(model, strategy, cfg))
   built.append(_shard_map_case("gpt2", PP_TP, cfg, "wrong_replica_groups",
                                _pp_tp_par(lambda axis: _psum(("pp", axis))),
                                "wrong_replica_groups", "add"))
