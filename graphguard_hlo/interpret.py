@@ -77,9 +77,9 @@ class Interpreter:
                 "collective_permute"):
       return [self._collective(op, args)]
     attrs = op.attrs
-    if name == "reduce":
+    if name in ("reduce", "reduce_window"):
       if len(op.operands) != 2 or not op.regions:
-        raise Unsupported("variadic reduce")
+        raise Unsupported(f"variadic {name}")
       kind = reducer_kind(op.regions[0])
       if kind is None:
         raise Unsupported("reducer")

@@ -134,6 +134,30 @@ def reduce(x: np.ndarray, init: np.ndarray, dims: Sequence[int], kind: str) -> n
   return REDUCERS[kind].reduce(x, axis=tuple(dims), initial=np.asarray(init).item())
 
 
+def reduce_window(x: np.ndarray, init: np.ndarray, attrs: dict, kind: str) -> np.ndarray:
+  """Each output element combines the init with the window of x (padded with
+  the init) at its strided position.  Dilations other than 1 are not modelled."""
+  if kind not in REDUCERS:
+    raise NotImplementedError(f"reference: reduce_window with reducer {kind!r}")
+  rank = x.ndim
+  ones = (1,) * rank
+  if tuple(attrs.get("base_dilations") or ones) != ones or \
+      tuple(attrs.get("window_dilations") or ones) != ones:
+    raise NotImplementedError("reference: dilated reduce_window")
+  window = tuple(attrs["window_dimensions"])
+  strides = tuple(attrs.get("window_strides") or ones)
+  pads = np.asarray(attrs.get("padding") if attrs.get("padding") is not None
+                    else np.zeros((rank, 2)), dtype=np.int64).reshape(rank, 2)
+  fill = np.asarray(init).item()
+  padded = np.pad(np.asarray(x), [tuple(p) for p in pads], constant_values=fill)
+  shape = tuple((n - w) // s + 1 for n, w, s in zip(padded.shape, window, strides))
+  out = np.empty(shape, dtype=padded.dtype)
+  for index in np.ndindex(*shape):
+    block = padded[tuple(slice(i * s, i * s + w) for i, s, w in zip(index, strides, window))]
+    out[index] = REDUCERS[kind].reduce(block.reshape(-1), initial=fill)
+  return out
+
+
 def slice_(x: np.ndarray, start: Sequence[int], limit: Sequence[int],
            strides: Sequence[int]) -> np.ndarray:
   return x[tuple(slice(s, l, k) for s, l, k in zip(start, limit, strides))].copy()
@@ -215,6 +239,8 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
     return broadcast_in_dim(xs[0], attrs["broadcast_dimensions"], result_type.shape)
   if name == "reduce":
     return reduce(xs[0], xs[1], attrs["dimensions"], attrs["gg.reduction"])
+  if name == "reduce_window":
+    return reduce_window(xs[0], xs[1], attrs, attrs["gg.reduction"])
   if name == "slice":
     return slice_(xs[0], attrs["start_indices"], attrs["limit_indices"], attrs["strides"])
   if name == "dynamic_slice":

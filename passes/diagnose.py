@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+
 from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.collectives import COLLECTIVES
 from graphguard_hlo.passes.layout import Layout, scales_equal
+from graphguard_hlo.passes.terms import freeze
 from graphguard_hlo.passes.transfer import ring_shift
 
 
@@ -201,7 +204,7 @@ def _attr_words(inf, op: ir.Op, d_op: ir.Op) -> Optional[str]:
       return (f"{head} gives {got} where {step.layout.describe('d')} needs "
               f"{step.result_type} (dims laid out in another order?)")
     differ = sorted(k for k, want in step.attrs.items()
-                    if not k.startswith("gg.") and d_op.attrs.get(k) != want)
+                    if not k.startswith("gg.") and freeze(d_op.attrs.get(k)) != freeze(want))
     if differ:
       shown = "; ".join(f"{k} {_attr_text(d_op.attrs.get(k))} where {_attr_text(step.attrs[k])} "
                         f"would give {step.layout.describe('d')}" for k in differ)
@@ -210,7 +213,9 @@ def _attr_words(inf, op: ir.Op, d_op: ir.Op) -> Optional[str]:
 
 
 def _attr_text(value) -> str:
-  return str(list(value)) if isinstance(value, tuple) else str(value)
+  if isinstance(value, (tuple, np.ndarray)):
+    return str(np.asarray(value).tolist())
+  return str(value)
 
 
 def _pin_words(inf, op: ir.Op) -> Optional[str]:

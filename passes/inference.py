@@ -326,7 +326,7 @@ class RelationInference:
     """What lemmas read of a sequential op, with the facts they cannot see
     for themselves: a reduce's reducer, a pad's constant padding value."""
     attrs = dict(op.attrs)
-    if op.name == "reduce" and op.regions:
+    if op.name in ("reduce", "reduce_window") and op.regions:
       attrs["gg.reduction"] = reducer_kind(op.regions[0])
     if op.name == "pad" and op.operands[1].id in self.splats:
       attrs["gg.padding_value"] = self.splats[op.operands[1].id]

@@ -25,6 +25,8 @@ import itertools
 import math
 from typing import Callable, Iterator, Optional, Sequence
 
+import numpy as np
+
 from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.layout import Layout, merged_pins, scales_equal
@@ -555,6 +557,30 @@ def _dynamic_update_slice(op: SeqOp, ls: Sequence[Layout]):
   yield op.attrs, a
 
 
+def _reduce_window(op: SeqOp, ls: Sequence[Layout]):
+  """reduce_window(concat(a_r,k)) = concat(reduce_window(a_r),k) when the window
+  along dim k is one element, unstrided and unpadded: a cumulative sum along
+  an untiled dim (jnp.cumsum) is every rank's own.  Each rank combines its
+  own init per window, so the operand is not a partial sum and not scaled."""
+  a, init = ls
+  if a.partial or not a.is_clean() or not init.is_full_replica() or not init.is_clean():
+    return
+  rank = a.rank
+  ones = (1,) * rank
+  window = tuple(op.attrs["window_dimensions"])
+  strides = tuple(op.attrs.get("window_strides") or ones)
+  dilations = (tuple(op.attrs.get("base_dilations") or ones),
+               tuple(op.attrs.get("window_dilations") or ones))
+  padding = op.attrs.get("padding")
+  pads = [(0, 0)] * rank if padding is None else [tuple(int(v) for v in p)
+                                                   for p in np.asarray(padding).reshape(rank, 2)]
+  for d, axes in enumerate(a.dims):
+    if axes and (window[d], strides[d], pads[d], dilations[0][d], dilations[1][d]) != (
+        1, 1, (0, 0), 1, 1):
+      return
+  yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, a
+
+
 def _replicas(op: SeqOp, ls: Sequence[Layout]):
   """f(x) = f(x): any op, opaque or not, on whole unscaled replicas gives a whole
   replica.  This is the only lemma unknown ops get."""
@@ -605,6 +631,9 @@ LEMMAS: tuple[Lemma, ...] = (
           "dim k", _dynamic_update_slice),
     Lemma("pad-untiled-dims", frozenset({"pad"}), "pad(concat(a_r,k)) = concat(pad(a_r),k) "
           "if dim k is not padded", _pad),
+    Lemma("reduce-window-untiled-dims", frozenset({"reduce_window"}),
+          "reduce_window(concat(a_r,k)) = concat(reduce_window(a_r),k) if the window "
+          "along k is one element", _reduce_window),
     Lemma("pad-into-one-tile", frozenset({"pad"}),
           "pad(x, 0) = concat_r(pad(x_r, 0) into tile-sized room) if x_r is x at the ranks "
           "holding x's tile and 0 at the others", _pad_into_one_tile, reads_pins=True),

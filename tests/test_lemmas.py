@@ -162,7 +162,7 @@ def seq_op(name, attrs, operands, result_shape, mesh, result_dtype=F64, operand_
 def local_attrs(op: SeqOp, attrs: dict) -> dict:
   """The local op's attrs; a reduce keeps its reducer region, which the
   lemma's attrs do not spell (``gg.reduction`` is added by ``inference``)."""
-  if op.name == "reduce":
+  if op.name in ("reduce", "reduce_window"):
     return {**attrs, "gg.reduction": op.attrs["gg.reduction"]}
   return attrs
 
@@ -608,6 +608,39 @@ def pad_into_one_tile(draw, mesh, seed):
   return Case(seq_op("pad", attrs, [x, value], out, mesh), [a, v], [x, value], seed)
 
 
+@st.composite
+def reduce_window(draw, mesh, seed):
+  """Windows along untiled dims (a cumulative sum's is the whole dim, padded
+  before), mostly trivial along tiled ones; sometimes a window, stride or
+  padding along a tiled dim, a partial or scaled operand, which the lemma
+  must refuse."""
+  a = nearby(draw, mesh, draw_layout(draw, mesh, draw(st.integers(1, 3)), partial=False,
+                                     scales=(1.0,)), p_keep=0.6)
+  rng = np.random.default_rng(seed)
+  x = random_values(rng, draw_shape(draw, mesh, a))
+  kind = draw(st.sampled_from(["sum", "sum", "max", "min"]))
+  init = np.array({"sum": 0.0, "max": -np.inf, "min": np.inf}[kind])
+  window, strides, pads = [], [], []
+  for n, axes in zip(x.shape, a.dims):
+    how = draw(st.sampled_from(["one"] * 3 + ["padded", "other"])) if axes else "other"
+    if how == "one":
+      w, k, p = 1, 1, (0, 0)
+    elif how == "padded":
+      w, k, p = 1, 1, draw(st.sampled_from([(1, 0), (0, 1), (1, 1)]))
+    elif draw(st.booleans()):
+      w, k, p = n, 1, (n - 1, 0)  # jnp.cumsum
+    else:
+      w, k = draw(st.integers(1, n)), draw(st.integers(1, 2))
+      p = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    window.append(w); strides.append(k); pads.append(p)
+  attrs = {"window_dimensions": tuple(window), "window_strides": tuple(strides),
+           "base_dilations": (1,) * x.ndim, "window_dilations": (1,) * x.ndim,
+           "padding": np.array(pads, dtype=np.int64), "gg.reduction": kind}
+  out = reference.reduce_window(x, init, attrs, kind).shape
+  return Case(seq_op("reduce_window", attrs, [x, init], out, mesh), [a, Layout.replicated(0)],
+              [x, init], seed)
+
+
 def _offsets(draw, shape, sizes, layout_of_offset):
   """Start indices as rank-0 values, sometimes out of bounds (StableHLO clamps)."""
   values = [np.array(float(draw(st.integers(-1, n - k + 1)))) for n, k in zip(shape, sizes)]
@@ -664,6 +697,7 @@ GENERATORS = {
     "concatenate-other-dim": concatenate,
     "pad-untiled-dims": pad,
     "pad-into-one-tile": pad_into_one_tile,
+    "reduce-window-untiled-dims": reduce_window,
 }
 
 
@@ -837,3 +871,42 @@ def test_reduce_with_partial_init_is_rejected():
   op = seq_op("reduce", {"dimensions": (), "gg.reduction": "sum"}, [x, init], [2], mesh)
   steps = apply_lemmas(op, [Layout(((),)), Layout((), ("x",))])
   assert not [s for s in steps if s.lemma == "reduce"]
+
+
+def _unit_window(x, pads, kind="sum"):
+  attrs = {"window_dimensions": (1,), "window_strides": (1,), "base_dilations": (1,),
+           "window_dilations": (1,), "padding": np.array([pads]), "gg.reduction": kind}
+  init = np.array({"sum": 0.0, "max": -np.inf}[kind])
+  out = reference.reduce_window(x, init, attrs, kind).shape
+  return seq_op("reduce_window", attrs, [x, init], out, ir.Mesh((("x", 2),))), init
+
+
+def test_reduce_window_padding_a_tiled_dim_is_refused():
+  """Padding along a tiled dim would pad every tile, not the ends of the whole."""
+  op, _ = _unit_window(np.arange(4.0), (1, 1))
+  steps = apply_lemmas(op, [Layout((("x",),)), Layout.replicated(0)])
+  assert not [s for s in steps if s.lemma == "reduce-window-untiled-dims"]
+
+
+def test_reduce_window_of_a_partial_max_is_refused():
+  """A window's sum of maxima over ranks is not the maximum of the ranks' sums."""
+  op, _ = _unit_window(np.arange(4.0), (0, 0))
+  steps = apply_lemmas(op, [Layout(((),), ("x",), "max"), Layout.replicated(0)])
+  assert not [s for s in steps if s.lemma == "reduce-window-untiled-dims"]
+
+
+def test_reference_reduce_window_agrees_with_jax():
+  """The numpy reduce_window these tests and the interpreter run is XLA's."""
+  import jax
+  from jax import lax
+  x = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
+  cumsum = {"window_dimensions": (6,), "window_strides": (1,), "padding": np.array([[5, 0]])}
+  np.testing.assert_allclose(reference.reduce_window(x[0], np.array(0.0), cumsum, "sum"),
+                             np.cumsum(x[0]), rtol=1e-5)
+  attrs = {"window_dimensions": (2, 3), "window_strides": (2, 1), "base_dilations": (1, 1),
+           "window_dilations": (1, 1), "padding": np.array([[1, 0], [0, 2]]),
+           "gg.reduction": "max"}
+  want = jax.jit(lambda v: lax.reduce_window(v, -np.inf, lax.max, (2, 3), (2, 1),
+                                             ((1, 0), (0, 2))))(x)
+  got = reference.reduce_window(x, np.array(-np.inf), attrs, "max")
+  np.testing.assert_allclose(got, np.asarray(want))

@@ -48,6 +48,7 @@ _DIAGNOSES = {
     "sp_allgather_mlp/shard_map/wrong_gather_dim": "wrong dim",
     "sp_rmsnorm/shard_map/swapped_shards": "permuted between ranks",
     "tp_heads/shard_map/wrong_transpose": "it is a transpose (permutation [1, 2, 0])",
+    "dp_cumsum/shard_map/cumsum_wrong_axis": "window_dimensions [4, 1] where [1, 8]",
 }
 
 

@@ -282,6 +282,17 @@ def _tp_heads_local(permutation):
   return local
 
 
+def cumsum_seq(x, w):
+  """Running sums along the features (a capacity count's cumsum, say)."""
+  return jnp.cumsum(x @ w, axis=1)
+
+
+def _dp_cumsum_local(axis):
+  """Rows over dp, so the features are each rank's own; ``axis`` 0 is the
+  bug: a running sum down this rank's rows only, as if they were all."""
+  return lambda x, w: jnp.cumsum(x @ w, axis=axis)
+
+
 def _gather_hidden_then_reshape(x):
   """The bug: gather along hidden, then reshape to the shape the seq gather
   would have produced.  Types check; rows come out interleaved by device."""
@@ -344,6 +355,10 @@ _PROGRAMS = {p.name: p for p in [
              ((8, 32), (32, 32)),
              (P(), P(None, "tp")),
              P("tp"), (4,), ("tp",)),
+    _Program("dp_cumsum", cumsum_seq,
+             ((16, 8), (8, 8)),
+             (P("dp", None), P()),
+             P("dp", None), (4,), ("dp",)),
     _Program("sp_allgather_mlp", mlp_seq,
              ((32, 32), (32, 64), (64,), (64, 32), (32,)),
              (P("tp", None), P(None, "tp"), P("tp"), P("tp", None), P()),
@@ -409,6 +424,9 @@ def _variants() -> list[_Variant]:
       # value no rank holds is the tanh of it.
       V("tp_heads", _tp_heads_local((1, 2, 0)), "wrong_transpose", "wrong_transpose",
         "tanh"),
+      V("dp_cumsum", _dp_cumsum_local(1)),
+      V("dp_cumsum", _dp_cumsum_local(0), "cumsum_wrong_axis", "wrong_axis",
+        "reduce_window"),
       V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_seq)),
       # Rows reach x @ w1 permuted, so the first matmul is already wrong.
       V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_hidden_then_reshape),
