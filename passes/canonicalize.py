@@ -368,7 +368,10 @@ def _all_to_all_of_split_reshape(module, graph, op) -> Optional[ir.Value]:
   # Unit dims ride along in either group; they hold one index and move nothing.
   big = lambda dims, shape: [d for d in dims if shape[d] != 1]
   s_dims, k_dims = big(split[0], v.shape), big(split[1], x.shape)
-  c_dims, c_group = big(concat[0], v.shape), big(concat[1], x.shape)
+  if len(concat[0]) == len(concat[1]) == 1:
+    c_dims, c_group = list(concat[0]), list(concat[1])  # one dim, kept (unit or not)
+  else:
+    c_dims, c_group = big(concat[0], v.shape), big(concat[1], x.shape)
   if len(s_dims) != 1 or not k_dims or k_dims[0] != k or len(c_dims) != 1 or \
       c_group != [c] or v.shape[s_dims[0]] % n:
     return None

@@ -291,6 +291,19 @@ def test_all_to_all_of_a_split_reshape_runs_on_the_unsplit_value():
   assert (a2a.attrs["split_dimension"], a2a.attrs["concat_dimension"]) == (2, 1)
 
 
+def test_all_to_all_of_a_split_reshape_into_a_unit_dim():
+  """GSPMD's router cotangent: [8,16,1] (one expert per rank) reshaped to
+  [4,2,16,1], the 4 exchanged into the unit expert dim: the same as splitting
+  the 8 rows into 4 pieces and concatenating along the unit dim itself."""
+  m, g = _graph([_t(8, 16, 1)])
+  x = _op(m, g, "reshape", [g.params[0]], _t(4, 2, 16, 1))
+  g.results = [_a2a(m, g, x, 0, 3, (1, 2, 16, 4))]
+  rng = np.random.default_rng(2)
+  (a2a,) = _check_ranks(m, g, [[rng.standard_normal((8, 16, 1)) for _ in range(4)]])
+  assert a2a.operands[0] is g.params[0]
+  assert (a2a.attrs["split_dimension"], a2a.attrs["concat_dimension"]) == (0, 2)
+
+
 def test_all_to_all_of_a_minor_split_is_left_alone():
   """The exchanged dim is the minor part of a split: its pieces are strided in
   the unsplit value, so nothing may be rewritten."""
