@@ -43,13 +43,17 @@ def test_names_and_metadata():
                                    "grad_not_allreduced", "dispatch_to_wrong_rank",
                                    "wrong_replica_groups", "mask_no_offset",
                                    "kv_gathered_over_wrong_axis", "wrong_permutation",
-                                   "output_not_rescaled", "ring_over_wrong_axis"}
+                                   "output_not_rescaled", "ring_over_wrong_axis",
+                                   "slots_over_all_tokens"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "sp", "dp_tp", "cp", "dp_tp_cp"):
       for style in ("shard_map", "gspmd"):
         strategies.get(f"{model}/{strategy}/{style}/ok")
     strategies.get(f"{model}/fsdp/shard_map/ok")
     strategies.get(f"{model}/pp/shard_map/ok")
+    strategies.get(f"{model}/pp_grad/shard_map/ok")
+    strategies.get(f"{model}/pp_tp_grad/shard_map/ok")
+  strategies.get("llama3/ep_capacity_grad/gspmd/ok")
 
 
 @pytest.mark.parametrize("case", ALL, ids=_ids)

@@ -50,6 +50,7 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/dp_tp_cp/shard_map/kv_gathered_over_wrong_axis": "gathered over the wrong mesh axis",
     "llama3/dp_tp_cp/shard_map/kv_gathered_over_wrong_axis": "gathered over the wrong mesh axis",
     "llama3/ep/shard_map/dispatch_to_wrong_rank": "it is computed from %transpose",
+    "llama3/ep_capacity/shard_map/slots_over_all_tokens": "it is a reshape of",
     "gpt2/pp/shard_map/wrong_permutation": "activations passed to the wrong stage?",
     "llama3/pp/shard_map/wrong_permutation": "activations passed to the wrong stage?",
     "gpt2/pp_grad/shard_map/double_counted_grad": "4 times the sequential one",

@@ -64,6 +64,9 @@ class Config:
   # ``top_k`` of them.
   experts: int = 0
   top_k: int = 2
+  # > 0: each expert takes at most this many tokens of each group (batch
+  # row), first come first served; the rest are dropped (GShard capacity).
+  capacity: int = 0
 
   def __post_init__(self):
     assert self.embedding in ("one_hot", "take"), self
@@ -146,6 +149,9 @@ class Parallel:
   # and the experts' outputs back (all-to-alls under expert parallelism).
   to_experts: Callable = _identity
   from_experts: Callable = _identity
+  # MoE with a capacity: chosen [b, s, E] -> each choice's slot in its
+  # expert's queue (-1: not chosen), counted per group (batch row).
+  expert_slots: Callable = lambda chosen: jnp.cumsum(chosen, axis=1) * chosen - 1.0
   # (h, {base: stacked [n, ...]}, layer) -> h after layers 0..n-1 of the
   # stacks (``Config.stacked_params``); a pipeline runs its stage's rows.
   run_stack: Optional[Callable] = None  # None: run_stack_in_order
@@ -368,7 +374,7 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
     h = h + par.reduce_attn(attn @ w("wo"))
     m = par.gather_seq(rmsnorm(h, w("mlp_norm")))
     if cfg.experts:
-      return h + moe_mlp(m, w, par, cfg.top_k)
+      return h + moe_mlp(m, w, par, cfg.top_k, cfg.capacity)
     mlp = (jax.nn.silu(m @ w("w_gate")) * (m @ w("w_up"))) @ w("w_down")
     return h + par.reduce_mlp(mlp)
 
@@ -378,7 +384,7 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
   return par.combine_loss(cross_entropy(logits, labels))
 
 
-def moe_mlp(m, w, par: Parallel, top_k: int):
+def moe_mlp(m, w, par: Parallel, top_k: int, capacity: int = 0):
   """Top-k Mixture of SwiGLU experts (Mixtral-style gates: the router's
   softmax over the chosen experts), GShard-style with each batch row a group
   and room for every token at every expert (nothing dropped): tokens are
@@ -386,7 +392,10 @@ def moe_mlp(m, w, par: Parallel, top_k: int):
   on its slice, and each token sums its experts' outputs weighted by their
   gates.  The k experts are picked by k rounds of arg-max masking.  Under
   expert parallelism the dispatched tensor is all-to-all'd from token owners
-  to expert owners and back."""
+  to expert owners and back.  With a ``capacity``, each expert's slots in a
+  group are handed out in token order (a cumulative sum of the choices) and
+  tokens beyond it are dropped: the dispatched tensor is [experts, b,
+  capacity, d]."""
   logits = m @ w("w_router")                                     # [b, s, E]
   chosen = jnp.zeros_like(logits)
   left = logits
@@ -396,6 +405,14 @@ def moe_mlp(m, w, par: Parallel, top_k: int):
     left = jnp.where(pick, -jnp.inf, left)
   gates = jnp.where(chosen > 0, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)
   gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  if capacity:
+    slot = par.expert_slots(chosen)                                # [b, s, E]
+    dispatch = (slot[..., None] == jnp.arange(capacity, dtype=F32)).astype(F32)  # [b, s, E, C]
+    x = par.to_experts(jnp.einsum("bsec,bsd->ebcd", dispatch, m))
+    hidden = jax.nn.silu(jnp.einsum("ebcd,edf->ebcf", x, w("w_gate"))) * jnp.einsum(
+        "ebcd,edf->ebcf", x, w("w_up"))
+    y = par.from_experts(jnp.einsum("ebcf,efd->ebcd", hidden, w("w_down")))
+    return jnp.einsum("ebcd,bsec,bse->bsd", y, dispatch, gates)
   x = par.to_experts(jnp.einsum("bse,bsd->ebsd", chosen, m))
   hidden = jax.nn.silu(jnp.einsum("ebsd,edf->ebsf", x, w("w_gate"))) * jnp.einsum(
       "ebsd,edf->ebsf", x, w("w_up"))

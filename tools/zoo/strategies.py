@@ -281,11 +281,19 @@ def _to_next_rank_experts(axis):
   return dispatch
 
 
-def _ep_par(dispatch=_to_expert_owners):
+def _slots_over_all_my_tokens(chosen):
+  """The bug: an expert's queue counted over all of this rank's tokens, not
+  per group, so later rows find the experts fuller than they are."""
+  b, s, e = chosen.shape
+  flat = chosen.reshape(b * s, e)
+  return (jnp.cumsum(flat, axis=0) * flat - 1.0).reshape(b, s, e)
+
+
+def _ep_par(dispatch=_to_expert_owners, **hooks):
   """Expert parallel on "ep": tokens (batch rows) and experts both split over
   it, attention replicated, expert tokens exchanged by all-to-alls."""
   return Parallel(combine_loss=_pmean_of_mean("ep"), to_experts=dispatch("ep"),
-                  from_experts=_to_token_owners("ep"))
+                  from_experts=_to_token_owners("ep"), **hooks)
 
 
 def _pipeline_stages(axis, shift=1):
@@ -410,6 +418,10 @@ DP_TP_RING_ATTENTION = _Strategy("dp_tp_ring_attention", (2, 2, 2), ("dp", "tp",
 # Expert parallelism: llama3 only (its MLP is the MoE layer), 4 experts.
 EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
                (("batch", 4), ("experts", 4)))
+# ... with each expert taking at most 6 of a group's 16 tokens (some dropped),
+# 2 groups (batch rows) per rank.
+EP_CAPACITY = dataclasses.replace(EP, name="ep_capacity",
+                                  cfg_overrides=(("batch", 8), ("experts", 4), ("capacity", 6)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -719,6 +731,17 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built.append(_shard_map_case("llama3", EP, cfg, "dispatch_to_wrong_rank",
                                _ep_par(_to_next_rank_experts), "dispatch_to_wrong_rank",
                                "dot_general"))
+  # With a capacity (tokens beyond it dropped), and the queue counted over
+  # all of a rank's tokens instead of per group: the cumsum is the first
+  # value no rank holds.
+  built.append(_shard_map_case("llama3", EP_CAPACITY, cfg, "ok", EP_CAPACITY.par()))
+  built.append(_gspmd_case("llama3", EP_CAPACITY, cfg))
+  built.append(_shard_map_case("llama3", EP_CAPACITY, cfg, "slots_over_all_tokens",
+                               _ep_par(expert_slots=_slots_over_all_my_tokens),
+                               "slots_over_all_tokens", "reduce_window"))
+  if grad:
+    built.append(_shard_map_grad_case("llama3", EP_CAPACITY, cfg))
+    built.append(_grad_case("llama3", EP_CAPACITY, cfg))
   ep_scan = _scanned(EP)
   built.append(_shard_map_case("llama3", ep_scan, cfg, "ok", ep_scan.par()))
   built.append(_gspmd_case("llama3", ep_scan, cfg))
