@@ -279,29 +279,22 @@ def test_all_to_all_within_one_dim_becomes_split_concat(shape, k, perm, groups):
       perm.index(k) + 1]
 
 
-def test_all_to_all_of_a_split_reshape_runs_on_the_unsplit_value():
-  """XLA reshapes [1,4,32] to [1,4,4,8] and exchanges the 4: the same as
-  splitting the 32 into 4 pieces of 8 directly."""
-  m, g = _graph([_t(1, 4, 32)])
-  x = _op(m, g, "reshape", [g.params[0]], _t(1, 4, 4, 8))
-  g.results = [_a2a(m, g, x, 2, 1, (1, 16, 1, 8))]
+@pytest.mark.parametrize("shape,split,k,c,out,moved", [
+    # XLA reshapes [1,4,32] to [1,4,4,8] and exchanges the 4: the same as
+    # splitting the 32 into 4 pieces of 8 directly.
+    ((1, 4, 32), (1, 4, 4, 8), 2, 1, (1, 16, 1, 8), (2, 1)),
+    # GSPMD's router cotangent, one expert per rank: [8,16,1] as [4,2,16,1],
+    # the 4 exchanged into the unit expert dim, which is kept as the concat.
+    ((8, 16, 1), (4, 2, 16, 1), 0, 3, (1, 2, 16, 4), (0, 2)),
+])
+def test_all_to_all_of_a_split_reshape_runs_on_the_unsplit_value(shape, split, k, c, out, moved):
+  m, g = _graph([_t(*shape)])
+  x = _op(m, g, "reshape", [g.params[0]], _t(*split))
+  g.results = [_a2a(m, g, x, k, c, out)]
   rng = np.random.default_rng(1)
-  (a2a,) = _check_ranks(m, g, [[rng.standard_normal((1, 4, 32)) for _ in range(4)]])
+  (a2a,) = _check_ranks(m, g, [[rng.standard_normal(shape) for _ in range(4)]])
   assert a2a.operands[0] is g.params[0]
-  assert (a2a.attrs["split_dimension"], a2a.attrs["concat_dimension"]) == (2, 1)
-
-
-def test_all_to_all_of_a_split_reshape_into_a_unit_dim():
-  """GSPMD's router cotangent: [8,16,1] (one expert per rank) reshaped to
-  [4,2,16,1], the 4 exchanged into the unit expert dim: the same as splitting
-  the 8 rows into 4 pieces and concatenating along the unit dim itself."""
-  m, g = _graph([_t(8, 16, 1)])
-  x = _op(m, g, "reshape", [g.params[0]], _t(4, 2, 16, 1))
-  g.results = [_a2a(m, g, x, 0, 3, (1, 2, 16, 4))]
-  rng = np.random.default_rng(2)
-  (a2a,) = _check_ranks(m, g, [[rng.standard_normal((8, 16, 1)) for _ in range(4)]])
-  assert a2a.operands[0] is g.params[0]
-  assert (a2a.attrs["split_dimension"], a2a.attrs["concat_dimension"]) == (0, 2)
+  assert (a2a.attrs["split_dimension"], a2a.attrs["concat_dimension"]) == moved
 
 
 def test_all_to_all_of_a_minor_split_is_left_alone():
