@@ -134,22 +134,27 @@ def reduce(x: np.ndarray, init: np.ndarray, dims: Sequence[int], kind: str) -> n
   return REDUCERS[kind].reduce(x, axis=tuple(dims), initial=np.asarray(init).item())
 
 
+def window_config(attrs: dict, rank: int) -> tuple:
+  """A reduce_window's (window, strides, padding per dim, base dilations,
+  window dilations), StableHLO's defaults filled in."""
+  ones = (1,) * rank
+  padding = attrs.get("padding")
+  pads = [(0, 0)] * rank if padding is None else [
+      (int(lo), int(hi)) for lo, hi in np.asarray(padding, dtype=np.int64).reshape(rank, 2)]
+  return (tuple(attrs["window_dimensions"]), tuple(attrs.get("window_strides") or ones), pads,
+          tuple(attrs.get("base_dilations") or ones), tuple(attrs.get("window_dilations") or ones))
+
+
 def reduce_window(x: np.ndarray, init: np.ndarray, attrs: dict, kind: str) -> np.ndarray:
   """Each output element combines the init with the window of x (padded with
   the init) at its strided position.  Dilations other than 1 are not modelled."""
   if kind not in REDUCERS:
     raise NotImplementedError(f"reference: reduce_window with reducer {kind!r}")
-  rank = x.ndim
-  ones = (1,) * rank
-  if tuple(attrs.get("base_dilations") or ones) != ones or \
-      tuple(attrs.get("window_dilations") or ones) != ones:
+  window, strides, pads, base_dilations, window_dilations = window_config(attrs, x.ndim)
+  if set(base_dilations) | set(window_dilations) != {1}:
     raise NotImplementedError("reference: dilated reduce_window")
-  window = tuple(attrs["window_dimensions"])
-  strides = tuple(attrs.get("window_strides") or ones)
-  pads = np.asarray(attrs.get("padding") if attrs.get("padding") is not None
-                    else np.zeros((rank, 2)), dtype=np.int64).reshape(rank, 2)
   fill = np.asarray(init).item()
-  padded = np.pad(np.asarray(x), [tuple(p) for p in pads], constant_values=fill)
+  padded = np.pad(np.asarray(x), pads, constant_values=fill)
   shape = tuple((n - w) // s + 1 for n, w, s in zip(padded.shape, window, strides))
   out = np.empty(shape, dtype=padded.dtype)
   for index in np.ndindex(*shape):

@@ -94,9 +94,15 @@ def _operand_problems(inf, op: ir.Op) -> list[str]:
   return problems
 
 
+def _related(inf, op: ir.Op) -> dict:
+  """The per-device classes related to ``op``'s operands, with a relation each."""
+  return {r.cls: r for v in op.operands for r in inf.relations.get(v.id, [])}
+
+
 def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
   """A per-device op of the same kind that reads values related to our operands."""
-  related = {r.cls: r for v in op.operands for r in inf.relations.get(v.id, [])}
+  related = _related(inf, op)
+  seq_of = None  # per-device class -> a sequential value it relates to, when needed
   for d_op in _same_kind_nearby(inf, op, related):
     notes = []
     for dv in d_op.operands:
@@ -108,40 +114,43 @@ def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
         elif lay.partial:
           notes.append(f"{_dname(dv)}, a partial sum over {_axes(lay.partial)}")
       elif dv.producer is not None and inf.deg.splat(c) is None:  # (constants match)
+        if seq_of is None:
+          seq_of = _seq_values_by_class(inf)
         notes.append(f"{_dname(dv)} (at {dv.producer.location}), which relates to no "
-                     f"sequential value{_made_from_related(inf, dv)}")
+                     f"sequential value{_made_from_related(inf, dv, seq_of)}")
     if notes:
       return f"the per-device {op.name} at {d_op.location} reads " + "; ".join(notes)
   return None
 
 
+def _seq_values_by_class(inf) -> dict:
+  """Per-device class -> (the first sequential value related to it, how)."""
+  seq_of: dict = {}
+  for sid, rels in inf.relations.items():
+    for r in rels:
+      seq_of.setdefault(r.cls, (sid, r))
+  return seq_of
+
+
 def _same_kind_nearby(inf, op: ir.Op, related: dict):
   """Per-device ops of ``op``'s kind that read values related to its operands,
   or values computed from them by one op (where a bug often sits)."""
+  near = list(related)
+  one_op_away = [inf.deg.of(r) for c in near for u in inf.users.get(c, ()) for r in u.results]
   seen = set()
-  for hops in (1, 2):
-    for cls in related:
-      frontier = [cls]
-      for _ in range(hops - 1):
-        frontier = [inf.deg.of(r) for c in frontier for u in inf.users.get(c, ())
-                    for r in u.results]
-      for c in frontier:
-        for d_op in inf.users.get(c, ()):
-          if d_op.name == op.name and id(d_op) not in seen:
-            seen.add(id(d_op))
-            yield d_op
+  for c in near + one_op_away:
+    for d_op in inf.users.get(c, ()):
+      if d_op.name == op.name and id(d_op) not in seen:
+        seen.add(id(d_op))
+        yield d_op
 
 
-def _made_from_related(inf, dv: ir.Value, depth: int = 4) -> str:
+def _made_from_related(inf, dv: ir.Value, seq_of: dict, depth: int = 4) -> str:
   """': it is a transpose (permutation [1, 2, 0]) of %x, which is the
   sequential %4 as ...': the nearest per-device value (a few ops back) that
   relates to some sequential one, and the ops from it to ``dv``.  Those ops
   are where to look.  Said only when the collective right before ``dv`` is
   not already explained by ``_collective_words``."""
-  seq_of = {}
-  for sid, rels in inf.relations.items():
-    for r in rels:
-      seq_of.setdefault(r.cls, (sid, r))
   paths = [[dv.producer]]
   for _ in range(depth):
     grown = []
@@ -174,13 +183,10 @@ def _mismatch_words(inf, op: ir.Op) -> Optional[str]:
   """A per-device op of the same kind reads values related to our operands,
   in the same places, but its result or attributes are not those any lemma
   asks for on them: say what differs (dims in another order, another slice)."""
-  related = {r.cls: r for v in op.operands for r in inf.relations.get(v.id, [])}
-  for cls in related:
-    for d_op in inf.users.get(cls, ()):
-      if d_op.name == op.name:
-        words = _attr_words(inf, op, d_op)
-        if words:
-          return words
+  for d_op in _same_kind_nearby(inf, op, _related(inf, op)):
+    words = _attr_words(inf, op, d_op)
+    if words:
+      return words
   return None
 
 

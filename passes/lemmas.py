@@ -25,11 +25,10 @@ import itertools
 import math
 from typing import Callable, Iterator, Optional, Sequence
 
-import numpy as np
-
 from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.layout import Layout, merged_pins, scales_equal
+from graphguard_hlo.reference import window_config
 
 # -- op classes ----------------------------------------------------------------
 
@@ -565,17 +564,9 @@ def _reduce_window(op: SeqOp, ls: Sequence[Layout]):
   a, init = ls
   if a.partial or not a.is_clean() or not init.is_full_replica() or not init.is_clean():
     return
-  rank = a.rank
-  ones = (1,) * rank
-  window = tuple(op.attrs["window_dimensions"])
-  strides = tuple(op.attrs.get("window_strides") or ones)
-  dilations = (tuple(op.attrs.get("base_dilations") or ones),
-               tuple(op.attrs.get("window_dilations") or ones))
-  padding = op.attrs.get("padding")
-  pads = [(0, 0)] * rank if padding is None else [tuple(int(v) for v in p)
-                                                   for p in np.asarray(padding).reshape(rank, 2)]
+  window, strides, pads, base_dilations, window_dilations = window_config(op.attrs, a.rank)
   for d, axes in enumerate(a.dims):
-    if axes and (window[d], strides[d], pads[d], dilations[0][d], dilations[1][d]) != (
+    if axes and (window[d], strides[d], pads[d], base_dilations[d], window_dilations[d]) != (
         1, 1, (0, 0), 1, 1):
       return
   yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, a
