@@ -121,6 +121,12 @@ def _identity(x):
   return x
 
 
+def slots_per_group(chosen):
+  """chosen [b, s, E] -> each choice's slot in its expert's queue, counted in
+  token order within each group (batch row); -1 where not chosen."""
+  return jnp.cumsum(chosen, axis=1) * chosen - 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Parallel:
   # (x, axis) -> x gathered along the sequence axis: before attention / MLP.
@@ -151,7 +157,7 @@ class Parallel:
   from_experts: Callable = _identity
   # MoE with a capacity: chosen [b, s, E] -> each choice's slot in its
   # expert's queue (-1: not chosen), counted per group (batch row).
-  expert_slots: Callable = lambda chosen: jnp.cumsum(chosen, axis=1) * chosen - 1.0
+  expert_slots: Callable = slots_per_group
   # (h, {base: stacked [n, ...]}, layer) -> h after layers 0..n-1 of the
   # stacks (``Config.stacked_params``); a pipeline runs its stage's rows.
   run_stack: Optional[Callable] = None  # None: run_stack_in_order
@@ -409,15 +415,18 @@ def moe_mlp(m, w, par: Parallel, top_k: int, capacity: int = 0):
     slot = par.expert_slots(chosen)                                # [b, s, E]
     dispatch = (slot[..., None] == jnp.arange(capacity, dtype=F32)).astype(F32)  # [b, s, E, C]
     x = par.to_experts(jnp.einsum("bsec,bsd->ebcd", dispatch, m))
-    hidden = jax.nn.silu(jnp.einsum("ebcd,edf->ebcf", x, w("w_gate"))) * jnp.einsum(
-        "ebcd,edf->ebcf", x, w("w_up"))
-    y = par.from_experts(jnp.einsum("ebcf,efd->ebcd", hidden, w("w_down")))
+    y = par.from_experts(_swiglu_experts(x, w))
     return jnp.einsum("ebcd,bsec,bse->bsd", y, dispatch, gates)
   x = par.to_experts(jnp.einsum("bse,bsd->ebsd", chosen, m))
-  hidden = jax.nn.silu(jnp.einsum("ebsd,edf->ebsf", x, w("w_gate"))) * jnp.einsum(
-      "ebsd,edf->ebsf", x, w("w_up"))
-  y = par.from_experts(jnp.einsum("ebsf,efd->ebsd", hidden, w("w_down")))
+  y = par.from_experts(_swiglu_experts(x, w))
   return jnp.einsum("ebsd,bse->bsd", y, gates)
+
+
+def _swiglu_experts(x, w):
+  """Expert e's SwiGLU MLP on its tokens: x [E, b, n, d] -> [E, b, n, d]."""
+  hidden = jax.nn.silu(jnp.einsum("ebnd,edf->ebnf", x, w("w_gate"))) * jnp.einsum(
+      "ebnd,edf->ebnf", x, w("w_up"))
+  return jnp.einsum("ebnf,efd->ebnd", hidden, w("w_down"))
 
 
 LOSSES = {"gpt2": gpt2_loss, "llama3": llama3_loss}

@@ -76,7 +76,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tools.zoo.cases import Case, mesh_of
 from tools.zoo.models import (MODELS, Config, Parallel, arg_shapes, base_name, is_stacked,
-                              loss_fn, param_specs, repeat_kv, run_stack_in_order)
+                              loss_fn, param_specs, repeat_kv, run_stack_in_order,
+                              slots_per_group)
 
 
 # --------------------------------------------------------------------------
@@ -282,11 +283,10 @@ def _to_next_rank_experts(axis):
 
 
 def _slots_over_all_my_tokens(chosen):
-  """The bug: an expert's queue counted over all of this rank's tokens, not
-  per group, so later rows find the experts fuller than they are."""
+  """The bug: an expert's queue counted over all of this rank's tokens as one
+  group, so later rows find the experts fuller than they are."""
   b, s, e = chosen.shape
-  flat = chosen.reshape(b * s, e)
-  return (jnp.cumsum(flat, axis=0) * flat - 1.0).reshape(b, s, e)
+  return slots_per_group(chosen.reshape(1, b * s, e)).reshape(b, s, e)
 
 
 def _ep_par(dispatch=_to_expert_owners, **hooks):
@@ -393,10 +393,15 @@ _STRATEGIES = {s.name: s for s in [
 PP = _Strategy("pp", (4,), ("pp",), P(), _no_param_specs, _pp_par,
                (("stacked_params", True), ("layers", 8)), layer_axis="pp")
 
+def _staged(par: Parallel) -> Parallel:
+  """``par``'s hooks inside each stage of a pipeline over "pp"."""
+  return dataclasses.replace(par, run_stack=_pipeline_stages("pp"))
+
+
 # Pipeline stages with Megatron TP inside each: 2 stages x 4 tp ranks, the
 # stacked weights split over "pp" by layer and over "tp" like TP's.
 def _pp_tp_par(reduce_attn=_psum):
-  return dataclasses.replace(_tp_par(reduce_attn), run_stack=_pipeline_stages("pp"))
+  return _staged(_tp_par(reduce_attn))
 
 
 PP_TP = _Strategy("pp_tp", (2, 4), ("pp", "tp"), P(), _tp_param_spec, _pp_tp_par,
@@ -404,8 +409,8 @@ PP_TP = _Strategy("pp_tp", (2, 4), ("pp", "tp"), P(), _tp_param_spec, _pp_tp_par
 
 # 3D: batch over "dp", stages over "pp", Megatron TP over "tp" (2 x 2 x 2).
 DP_PP_TP = _Strategy("dp_pp_tp", (2, 2, 2), ("dp", "pp", "tp"), P("dp", None), _tp_param_spec,
-                     lambda: dataclasses.replace(_dp_tp_par(), run_stack=_pipeline_stages("pp")),
-                     (("stacked_params", True), ("layers", 4)), layer_axis="pp")
+                     lambda: _staged(_dp_tp_par()), (("stacked_params", True), ("layers", 4)),
+                     layer_axis="pp")
 
 # Context parallelism with keys and values passed round a ring of ppermutes
 # (shard_map only: the ring is the hand-written part; under GSPMD it is ``cp``).
@@ -774,14 +779,14 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_shard_map_grad_case("llama3", PP, cfg, "double_counted_grad",
                                       check_vma=False, bug="double_counted_grad",
                                       bug_primitive="output"))
-  # Stages with tensor parallelism inside (2 x 4): forward and backward; and
-  # attention's partial sums reduced over ("pp", "tp"): every stage adds the
-  # other stage's, so the residual add after it reads nothing related.
-  # And on the 2x2x2 mesh with the batch over "dp" too.
+  # Stages with tensor parallelism inside (2 x 4), and on the 2x2x2 mesh with
+  # the batch over "dp" too: forward and backward.
   for model, strategy in itertools.product(MODELS, (PP_TP, DP_PP_TP)):
     built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
     if grad:
       built.append(_shard_map_grad_case(model, strategy, cfg))
+  # Attention's partial sums reduced over ("pp", "tp"): every stage adds the
+  # other stage's, so the residual add after it reads nothing related.
   built.append(_shard_map_case("gpt2", PP_TP, cfg, "wrong_replica_groups",
                                _pp_tp_par(lambda axis: _psum(("pp", axis))),
                                "wrong_replica_groups", "add"))
