@@ -167,6 +167,46 @@ def _ring_gather_seq(axis_name, shift=1):
   return gather
 
 
+def _block_mask(s, r, n, t):
+  """Causal mask of rank r's queries against the key block it holds at ring
+  step t, block (r - t) mod n."""
+  rows = jnp.arange(s, dtype=jnp.int32) + r * s
+  cols = jnp.arange(s, dtype=jnp.int32) + ((r - t) % n) * s
+  return rows[:, None] >= cols[None, :]
+
+
+def _online_softmax_ring(q, k, v, axis_name, shift=1, rescale_output=True, ring_axis=None):
+  """Causal attention of this rank's queries round a ring of k/v blocks:
+  (out [b, h, s, hd], row max m, denominator l)."""
+  ring_axis = ring_axis or axis_name
+  b, s, h, hd = q.shape
+  n = lax.axis_size(axis_name)
+  r = lax.axis_index(axis_name)
+  m = jnp.full((b, h, s), -jnp.inf, jnp.float32)
+  l = jnp.zeros((b, h, s), jnp.float32)
+  o = jnp.zeros((b, h, s, hd), jnp.float32)
+  for t in range(n):
+    scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(np.sqrt(hd))
+    scores = jnp.where(_block_mask(s, r, n, t), scores, np.float32(-1e9))
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    rescale = jnp.exp(m - m_new)
+    p = jnp.exp(scores - m_new[..., None])
+    l = rescale * l + jnp.sum(p, axis=-1)
+    kept = rescale[..., None] * o if rescale_output else o
+    o = kept + jnp.einsum("bhst,bthd->bhsd", p, v)
+    m = m_new
+    if t < n - 1:
+      perm = [(i, (i + shift) % n) for i in range(n)]
+      k, v = lax.ppermute(k, ring_axis, perm), lax.ppermute(v, ring_axis, perm)
+  return o / l[..., None], m, l
+
+
+def _merge_heads(out):
+  """[b, h, s, hd] -> [b, s, h * hd]."""
+  b, h, s, hd = out.shape
+  return out.transpose(0, 2, 1, 3).reshape(b, s, h * hd)
+
+
 def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None):
   """Ring attention (Liu et al.) for causal attention: k/v blocks go round
   the ring; each step scores this rank's queries against the block in hand,
@@ -177,37 +217,63 @@ def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None):
   the running max grows (l is), so earlier blocks keep too large a weight.
   ``ring_axis`` (default ``axis_name``): the axis the blocks go round; another
   one is the wrong-axis bug."""
-  ring_axis = ring_axis or axis_name
   def attend(q, k, v):
+    out, _, _ = _online_softmax_ring(q, k, v, axis_name, shift, rescale_output, ring_axis)
+    return _merge_heads(out)
+  return attend
+
+
+def _ring_attention_vjp(axis_name):
+  """Ring attention with its backward pass written by hand, as ring attention
+  libraries do (a ``custom_vjp``; the blockwise backward of Liu et al., flash
+  attention's recurrence): the forward is ``_ring_attention``'s and saves each
+  row's log-sum-exp ``lse = m + log l``; the backward goes round the ring
+  again, recomputes each block's probabilities ``p = exp(s - lse)`` and
+  carries the keys' and values' gradients round with their blocks:
+
+      D = rowsum(dout * out);  dv += p^T dout;  ds = p * (dout v^T - D)
+      dq += ds k;  dk += ds^T q     (ds masked and scaled like the scores)
+
+  n steps and n exchanges, so each block's gradient comes home."""
+  def forward(q, k, v):
+    out, m, l = _online_softmax_ring(q, k, v, axis_name)
+    return _merge_heads(out), (q, k, v, out, m + jnp.log(l))
+
+  def backward(res, dout):
+    q, k, v, out, lse = res
     b, s, h, hd = q.shape
     n = lax.axis_size(axis_name)
     r = lax.axis_index(axis_name)
-    rows = jnp.arange(s, dtype=jnp.int32) + r * s
-    m = jnp.full((b, h, s), -jnp.inf, jnp.float32)
-    l = jnp.zeros((b, h, s), jnp.float32)
-    o = jnp.zeros((b, h, s, hd), jnp.float32)
+    scale = np.float32(np.sqrt(hd))
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    dout = dout.reshape(b, s, h, hd).transpose(0, 2, 1, 3)          # [b, h, s, hd]
+    d = jnp.sum(dout * out, axis=-1)                                 # [b, h, s]
+    dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
     for t in range(n):
-      cols = jnp.arange(s, dtype=jnp.int32) + ((r - t) % n) * s
-      scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(np.sqrt(hd))
-      scores = jnp.where(rows[:, None] >= cols[None, :], scores, np.float32(-1e9))
-      m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-      rescale = jnp.exp(m - m_new)
-      p = jnp.exp(scores - m_new[..., None])
-      l = rescale * l + jnp.sum(p, axis=-1)
-      kept = rescale[..., None] * o if rescale_output else o
-      o = kept + jnp.einsum("bhst,bthd->bhsd", p, v)
-      m = m_new
-      if t < n - 1:
-        perm = [(i, (i + shift) % n) for i in range(n)]
-        k, v = lax.ppermute(k, ring_axis, perm), lax.ppermute(v, ring_axis, perm)
-    out = o / l[..., None]
-    return out.transpose(0, 2, 1, 3).reshape(b, s, h * hd)
+      mask = _block_mask(s, r, n, t)
+      scores = jnp.where(mask, jnp.einsum("bshd,bthd->bhst", q, k) / scale, np.float32(-1e9))
+      p = jnp.exp(scores - lse[..., None])
+      dv = dv + jnp.einsum("bhst,bhsd->bthd", p, dout)
+      dp = jnp.einsum("bhsd,bthd->bhst", dout, v)
+      ds = jnp.where(mask, p * (dp - d[..., None]), 0.0) / scale
+      dq = dq + jnp.einsum("bhst,bthd->bshd", ds, k)
+      dk = dk + jnp.einsum("bhst,bshd->bthd", ds, q)
+      k, v, dk, dv = (lax.ppermute(x, axis_name, perm) for x in (k, v, dk, dv))
+    return dq, dk, dv
+
+  attend = jax.custom_vjp(lambda q, k, v: forward(q, k, v)[0])
+  attend.defvjp(forward, backward)
   return attend
 
 
 def _ring_attention_par(shift=1, rescale_output=True):
   """``cp`` with ring attention instead of gathered k/v."""
   return dataclasses.replace(_cp_par(), attend=_ring_attention("cp", shift, rescale_output))
+
+
+def _ring_attention_vjp_par():
+  """``cp`` with ring attention and its hand-written ring backward."""
+  return dataclasses.replace(_cp_par(), attend=_ring_attention_vjp("cp"))
 
 
 def _dp_tp_ring_attention_par(ring_axis="cp"):
@@ -417,6 +483,8 @@ DP_PP_TP = _Strategy("dp_pp_tp", (2, 2, 2), ("dp", "pp", "tp"), P("dp", None), _
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
 RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
                            _ring_attention_par)
+RING_ATTENTION_VJP = _Strategy("ring_attention_vjp", (4,), ("cp",), P(None, "cp"),
+                               _cp_param_spec, _ring_attention_vjp_par)
 DP_TP_RING_ATTENTION = _Strategy("dp_tp_ring_attention", (2, 2, 2), ("dp", "tp", "cp"),
                                  P("dp", "cp"), _dp_tp_cp_param_spec, _dp_tp_ring_attention_par)
 
@@ -823,6 +891,10 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_shard_map_case(model, DP_TP_RING_ATTENTION, cfg, "ok",
                                  DP_TP_RING_ATTENTION.par()))
     built.append(_shard_map_case(model, ring_3d_scan, cfg, "ok", ring_3d_scan.par()))
+  # Ring attention's backward written by hand (custom_vjp), as libraries do.
+  if grad:
+    for model in MODELS:
+      built.append(_shard_map_grad_case(model, RING_ATTENTION_VJP, cfg))
   built.append(_shard_map_case("llama3", DP_TP_RING_ATTENTION, cfg, "ring_over_wrong_axis",
                                _dp_tp_ring_attention_par(ring_axis="tp"),
                                "ring_over_wrong_axis", "reduce"))
