@@ -88,6 +88,14 @@ class EGraph:
           canon = self.canonical(user)
           if owner is None:
             continue
+          if canon != user:
+            # Every child's user set must hold the node as the hashcons keys
+            # it, or a later repair through another child misses the entry.
+            for k in set(canon.children):
+              users = self._users.get(self.find(k))
+              if users is not None:
+                users.discard(user)
+                users.add(canon)
           owner = self.find(owner)
           if canon in self._hashcons:
             self.union(owner, self._hashcons[canon])
