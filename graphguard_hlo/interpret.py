@@ -77,8 +77,8 @@ class Interpreter:
                 "collective_permute"):
       return [self._collective(op, args)]
     attrs = op.attrs
-    if name in ("reduce", "reduce_window"):
-      if len(op.operands) != 2 or not op.regions:
+    if name in ("reduce", "reduce_window", "scatter"):
+      if len(op.operands) != (3 if name == "scatter" else 2) or not op.regions:
         raise Unsupported(f"variadic {name}")
       kind = reducer_kind(op.regions[0])
       if kind is None:

@@ -7,14 +7,15 @@ both programs numerically, so it favours obviously-correct over fast.
 
 Ops compute in their operands' precision (tests pass float64); only
 ``convert`` and ``iota`` look at ``result_type.dtype``.  ``partition_id`` and
-the collectives depend on the rank and are not here.  ``reduce`` reads its
-reducer from ``attrs["gg.reduction"]`` ("sum", "max", "min", "mul"), the form
+the collectives depend on the rank and are not here.  ``reduce`` (and
+``reduce_window``, ``scatter``) reads its reducer from ``attrs["gg.reduction"]`` ("sum", "max", "min", "mul"), the form
 ``inference`` gives it, and takes ``[operand, init]``.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Sequence
 
 import numpy as np
@@ -163,6 +164,82 @@ def reduce_window(x: np.ndarray, init: np.ndarray, attrs: dict, kind: str) -> np
   return out
 
 
+_DIM_FIELD = re.compile(r"(\w+) = (\[[^\]]*\]|-?\d+)")
+
+
+def dimension_numbers(text: str) -> dict:
+  """``#stablehlo.gather<offset_dims = [2], index_vector_dim = 2>`` (or
+  scatter's) -> {field: tuple or int}; absent fields are () (lists) or 0
+  (``index_vector_dim``), as the printers omit them."""
+  out: dict = {"index_vector_dim": 0}
+  for key, value in _DIM_FIELD.findall(text):
+    out[key] = (tuple(int(x) for x in value[1:-1].split(",") if x.strip())
+                if value.startswith("[") else int(value))
+  return out
+
+
+def _index_rows(indices: np.ndarray, index_vector_dim: int) -> np.ndarray:
+  """indices with the index vector last (a trailing 1 if it is implicit)."""
+  if index_vector_dim == indices.ndim:
+    indices = indices[..., None]
+  return np.moveaxis(indices, index_vector_dim, -1)
+
+
+def gather(x: np.ndarray, indices: np.ndarray, attrs: dict) -> np.ndarray:
+  """StableHLO gather (no batching dims): result[batch, offset] reads x at the
+  start its row of indices gives (clamped so the slice fits) plus offset."""
+  dn = dimension_numbers(attrs["dimension_numbers"])
+  if dn.get("operand_batching_dims") or dn.get("start_indices_batching_dims"):
+    raise NotImplementedError("reference: gather with batching dims")
+  sizes, collapsed = attrs["slice_sizes"], dn.get("collapsed_slice_dims", ())
+  offset_dims, start_map = dn.get("offset_dims", ()), dn.get("start_index_map", ())
+  rows = _index_rows(indices, dn["index_vector_dim"])
+  window = [d for d in range(x.ndim) if d not in collapsed]
+  out = np.empty(rows.shape[:-1] + tuple(sizes[d] for d in window), x.dtype)
+  for b in np.ndindex(rows.shape[:-1]):
+    start = [0] * x.ndim
+    for k, d in enumerate(start_map):
+      start[d] = int(np.clip(rows[b + (k,)], 0, x.shape[d] - sizes[d]))
+    block = x[tuple(slice(s, s + n) for s, n in zip(start, sizes))]
+    out[b] = block.reshape([sizes[d] for d in window])
+  n_batch = rows.ndim - 1
+  batch_out = [d for d in range(n_batch + len(window)) if d not in offset_dims]
+  perm = [n_batch + offset_dims.index(d) if d in offset_dims else batch_out.index(d)
+          for d in range(n_batch + len(window))]
+  return np.transpose(out, perm).copy()
+
+
+_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "mul": np.multiply}
+
+
+def scatter(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, attrs: dict,
+            kind: str) -> np.ndarray:
+  """StableHLO scatter (no batching dims), combining by ``kind``: each row of
+  indices starts a window of updates in x; a window that does not fit is
+  skipped, as XLA does (the spec leaves it to the implementation)."""
+  dn = dimension_numbers(attrs["scatter_dimension_numbers"])
+  if dn.get("input_batching_dims") or dn.get("scatter_indices_batching_dims"):
+    raise NotImplementedError("reference: scatter with batching dims")
+  window_dims, inserted = dn.get("update_window_dims", ()), dn.get("inserted_window_dims", ())
+  to_operand = dn.get("scatter_dims_to_operand_dims", ())
+  rows = _index_rows(indices, dn["index_vector_dim"])
+  scatter_dims = [d for d in range(updates.ndim) if d not in window_dims]
+  windows = np.transpose(updates, scatter_dims + list(window_dims))
+  sizes = [1] * x.ndim
+  for d, n in zip([d for d in range(x.ndim) if d not in inserted], windows.shape[rows.ndim - 1:]):
+    sizes[d] = n
+  out = x.copy()
+  for b in np.ndindex(rows.shape[:-1]):
+    start = [0] * x.ndim
+    for k, d in enumerate(to_operand):
+      start[d] = int(rows[b + (k,)])
+    if any(s < 0 or s + n > dim for s, n, dim in zip(start, sizes, x.shape)):
+      continue
+    place = tuple(slice(s, s + n) for s, n in zip(start, sizes))
+    out[place] = _COMBINE[kind](out[place], windows[b].reshape(sizes))
+  return out
+
+
 def slice_(x: np.ndarray, start: Sequence[int], limit: Sequence[int],
            strides: Sequence[int]) -> np.ndarray:
   return x[tuple(slice(s, l, k) for s, l, k in zip(start, limit, strides))].copy()
@@ -259,6 +336,10 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
   if name == "pad":
     return pad(xs[0], xs[1], attrs["edge_padding_low"], attrs["edge_padding_high"],
                attrs["interior_padding"])
+  if name == "gather":
+    return gather(xs[0], xs[1], attrs)
+  if name == "scatter":
+    return scatter(xs[0], xs[1], xs[2], attrs, attrs["gg.reduction"])
   if name == "iota":
     return iota(result_type.shape, attrs["iota_dimension"], result_type.dtype)
   raise NotImplementedError(f"reference: op {name}")

@@ -324,12 +324,15 @@ class RelationInference:
 
   def seq_op(self, op: ir.Op) -> SeqOp:
     """What lemmas read of a sequential op, with the facts they cannot see
-    for themselves: a reduce's reducer, a pad's constant padding value."""
+    for themselves: a reduce's (or scatter's) reducer, a pad's constant padding
+    value, a scatter's constant base."""
     attrs = dict(op.attrs)
-    if op.name in ("reduce", "reduce_window") and op.regions:
+    if op.name in ("reduce", "reduce_window", "scatter") and op.regions:
       attrs["gg.reduction"] = reducer_kind(op.regions[0])
     if op.name == "pad" and op.operands[1].id in self.splats:
       attrs["gg.padding_value"] = self.splats[op.operands[1].id]
+    if op.name == "scatter" and op.operands[0].id in self.splats:
+      attrs["gg.base_value"] = self.splats[op.operands[0].id]
     return SeqOp(op.name, attrs, tuple(v.type for v in op.operands),
                  op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh,
                  self.transfer.rings)

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.layout import Layout, merged_pins, scales_equal
-from graphguard_hlo.reference import window_config
+from graphguard_hlo.reference import dimension_numbers, window_config
 
 # -- op classes ----------------------------------------------------------------
 
@@ -572,6 +572,101 @@ def _reduce_window(op: SeqOp, ls: Sequence[Layout]):
   yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, a
 
 
+def _index_batch_dims(rank: int, index_vector_dim: int) -> list[int]:
+  """The dims of gather's or scatter's indices that number the rows."""
+  return [d for d in range(rank) if d != index_vector_dim]
+
+
+def _clean_indices(i: Layout, index_vector_dim: int) -> bool:
+  """Indices a lemma may split: whole values (no sum, no scale), each row's
+  index vector on one rank."""
+  return not i.partial and i.is_clean() and (
+      index_vector_dim >= i.rank or not i.dims[index_vector_dim])
+
+
+def _gather(op: SeqOp, ls: Sequence[Layout]):
+  """gather(a, concat(i_r, k)) = concat(gather(a, i_r), k') for a row dim k
+  of the indices (k' its result dim): each result row reads one slice of a
+  at the start its own index row gives.  And gather(concat(a_r, j), i) =
+  concat(gather(a_r, i), j') for an operand dim j the slices take whole and
+  no index moves (j' its offset dim).  Picking elements commutes with the
+  operand's sums, maxima and scale (the indices must not vary over those
+  axes, which no valid layout lets them).  An embedding lookup of tokens
+  split over the batch or sequence is the first; a table split along
+  d_model, the second."""
+  a, i = ls
+  dn = dimension_numbers(op.attrs["dimension_numbers"])
+  if dn.get("operand_batching_dims") or not _clean_indices(i, dn["index_vector_dim"]):
+    return
+  offset_dims, collapsed = dn.get("offset_dims", ()), dn.get("collapsed_slice_dims", ())
+  start_map, sizes = dn.get("start_index_map", ()), op.attrs["slice_sizes"]
+  out_rank = op.result_type.rank
+  batch_out = [d for d in range(out_rank) if d not in offset_dims]
+  window = [d for d in range(a.rank) if d not in collapsed]
+  dims: list[tuple] = [()] * out_rank
+  for k, d in zip(_index_batch_dims(i.rank, dn["index_vector_dim"]), batch_out):
+    dims[d] = i.dims[k]
+  for j, axes in enumerate(a.dims):
+    if axes:
+      if j in start_map or j in collapsed or sizes[j] != op.operand_types[0].shape[j]:
+        return
+      dims[offset_dims[window.index(j)]] = axes
+  local = a.local_shape(op.operand_types[0].shape, op.mesh)
+  if local is None:
+    return
+  local_sizes = tuple(local[j] if a.dims[j] else n for j, n in enumerate(sizes))
+  yield (dict(op.attrs, slice_sizes=local_sizes),
+         Layout(tuple(dims), a.partial, a.partial_kind, a.scale))
+
+
+def _scatter_add(op: SeqOp, ls: Sequence[Layout]):
+  """scatter-add(0, concat(i_r, k), concat(u_r, k')) = sum_r scatter-add(0,
+  i_r, u_r): each index row adds its window once, on the one rank that holds
+  it (an embedding's gradient from tokens split over the batch, summed by the
+  all-reduce that follows).  scatter-add is linear in (base, updates) jointly,
+  so partial sums of both (or of the updates, into 0) stay one; and
+  scatter(concat(b_r, j), i, concat(u_r, j')) = concat(scatter(b_r, i, u_r),
+  j) for an operand dim j the windows cover whole and no index moves.  The
+  base must be 0 (``gg.base_value``) wherever ranks add their own pieces, or
+  it would be counted once per rank."""
+  b, i, u = ls
+  dn = dimension_numbers(op.attrs["scatter_dimension_numbers"])
+  if op.attrs.get("gg.reduction") != "sum" or dn.get("input_batching_dims") or \
+      not _clean_indices(i, dn["index_vector_dim"]):
+    return
+  window_dims, inserted = dn.get("update_window_dims", ()), dn.get("inserted_window_dims", ())
+  to_operand = dn.get("scatter_dims_to_operand_dims", ())
+  rows = [d for d in range(u.rank) if d not in window_dims]
+  split: list[str] = []
+  for k, d in zip(_index_batch_dims(i.rank, dn["index_vector_dim"]), rows):
+    if i.dims[k] != u.dims[d]:
+      return  # each rank must hold its rows' indices with their updates
+    split += [axis_base(a) for a in i.dims[k]]
+  if len(split) != len(set(split)):
+    return  # an axis on two row dims: ranks hold diagonal blocks, not every row
+  covered = [d for d in range(b.rank) if d not in inserted]
+  base_shape, update_shape = op.operand_types[0].shape, op.operand_types[2].shape
+  for w, d in zip(window_dims, covered):
+    if u.dims[w] != b.dims[d] or (b.dims[d] and (
+        d in to_operand or update_shape[w] != base_shape[d])):
+      return
+  if any(b.dims[d] for d in range(b.rank) if d not in covered):
+    return
+  if u.partial and u.partial_kind != "sum":
+    return
+  partial = tuple(sorted(set(split) | set(u.partial)))
+  if split or not (b.partial == u.partial and b.partial_kind == u.partial_kind and
+                   scales_equal(b.scale, u.scale)):
+    # Each rank adds its own base: it must be 0, or pieces of 0 summed with
+    # the result (then each piece is added once per rank of the other axes,
+    # which still sums to 0).
+    if op.attrs.get("gg.base_value") != 0.0 or (b.partial and (
+        b.partial_kind != "sum" or not set(b.partial) <= set(partial))):
+      return
+  attrs = {k: v for k, v in op.attrs.items() if k not in ("gg.reduction", "gg.base_value")}
+  yield attrs, Layout(b.dims, partial, "sum", u.scale)
+
+
 def _replicas(op: SeqOp, ls: Sequence[Layout]):
   """f(x) = f(x): any op, opaque or not, on whole unscaled replicas gives a whole
   replica.  This is the only lemma unknown ops get."""
@@ -625,6 +720,12 @@ LEMMAS: tuple[Lemma, ...] = (
     Lemma("reduce-window-untiled-dims", frozenset({"reduce_window"}),
           "reduce_window(concat(a_r,k)) = concat(reduce_window(a_r),k) if the window "
           "along k is one element", _reduce_window),
+    Lemma("gather-split-rows-or-whole-slices", frozenset({"gather"}),
+          "gather(a, concat(i_r,k)) = concat(gather(a, i_r),k'); gather(concat(a_r,j), i) = "
+          "concat(gather(a_r, i),j') if slices take dim j whole", _gather),
+    Lemma("scatter-add-split-rows", frozenset({"scatter"}),
+          "scatter_add(0, concat(i_r,k), concat(u_r,k')) = sum_r scatter_add(0, i_r, u_r); "
+          "windows covering dim j whole keep its tiling", _scatter_add),
     Lemma("pad-into-one-tile", frozenset({"pad"}),
           "pad(x, 0) = concat_r(pad(x_r, 0) into tile-sized room) if x_r is x at the ranks "
           "holding x's tile and 0 at the others", _pad_into_one_tile, reads_pins=True),

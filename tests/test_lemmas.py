@@ -162,7 +162,7 @@ def seq_op(name, attrs, operands, result_shape, mesh, result_dtype=F64, operand_
 def local_attrs(op: SeqOp, attrs: dict) -> dict:
   """The local op's attrs; a reduce keeps its reducer region, which the
   lemma's attrs do not spell (``gg.reduction`` is added by ``inference``)."""
-  if op.name in ("reduce", "reduce_window"):
+  if op.name in ("reduce", "reduce_window", "scatter"):
     return {**attrs, "gg.reduction": op.attrs["gg.reduction"]}
   return attrs
 
@@ -677,6 +677,114 @@ def dynamic_update_slice_(draw, mesh, seed):
   return Case(op, [a, ul] + off_layouts, [x, u] + offs, seed)
 
 
+def _dims_text(kind: str, **fields) -> str:
+  """The dimension numbers as the loaders print them."""
+  parts = [f"{k} = [{', '.join(map(str, v))}]" if isinstance(v, tuple) else f"{k} = {v}"
+           for k, v in fields.items()]
+  return f"#stablehlo.{kind}<{', '.join(parts)}>"
+
+
+def _with_vector_dim(draw, mesh, rows: Layout, n_rows_shape, n_index: int, rng):
+  """Indices: rows laid out as ``rows`` (sometimes nearby), the index vector
+  inserted at a random dim (or implicit, last, for one index); values in
+  [-1, 9], some out of range."""
+  implicit = n_index == 1 and draw(st.booleans())
+  vector_dim = len(n_rows_shape) if implicit else draw(st.integers(0, len(n_rows_shape)))
+  layout = nearby(draw, mesh, rows, p_keep=0.8)
+  dims, shape = list(layout.dims), list(n_rows_shape)
+  if not implicit:
+    dims.insert(vector_dim, ())
+    shape.insert(vector_dim, n_index)
+  values = rng.integers(-1, 10, shape).astype(np.float64)
+  return layout.with_(dims=tuple(dims)), values, vector_dim
+
+
+@st.composite
+def gather(draw, mesh, seed):
+  """Slices of an operand (some dims indexed, some collapsed, the rest taken
+  whole or in part) at index rows split over ranks; the operand tiled along
+  dims taken whole (sometimes along an indexed or part-taken one, which the
+  lemma must refuse), partial or scaled."""
+  rng = np.random.default_rng(seed)
+  a = nearby(draw, mesh, draw_layout(draw, mesh, draw(st.integers(1, 3))), p_keep=0.8)
+  x = random_values(rng, draw_shape(draw, mesh, a))
+  indexed = draw(st.lists(st.integers(0, x.ndim - 1), min_size=1, max_size=x.ndim, unique=True))
+  sizes, collapsed = [], []
+  for d, n in enumerate(x.shape):
+    if d in indexed:
+      sizes.append(draw(st.integers(1, n)))
+      if sizes[-1] == 1 and draw(st.booleans()):
+        collapsed.append(d)
+    else:
+      sizes.append(n if draw(st.integers(0, 3)) else draw(st.integers(1, n)))
+  rows = draw_layout(draw, mesh, draw(st.integers(1, 2)), partial=False, scales=(1.0,))
+  rows_shape = draw_shape(draw, mesh, rows)
+  i, idx, vector_dim = _with_vector_dim(draw, mesh, rows, rows_shape, len(indexed), rng)
+  n_window = x.ndim - len(collapsed)
+  out_rank = len(rows_shape) + n_window
+  offset_dims = tuple(sorted(draw(st.lists(st.integers(0, out_rank - 1), min_size=n_window,
+                                           max_size=n_window, unique=True))))
+  attrs = {"dimension_numbers": _dims_text(
+      "gather", offset_dims=offset_dims, collapsed_slice_dims=tuple(collapsed),
+      start_index_map=tuple(indexed), index_vector_dim=vector_dim),
+      "slice_sizes": tuple(sizes), "indices_are_sorted": False}
+  out = reference.gather(x, idx, attrs).shape
+  return Case(seq_op("gather", attrs, [x, idx], out, mesh, operand_dtypes=[F64, "i32"]),
+              [a, i], [x, idx], seed)
+
+
+@st.composite
+def scatter(draw, mesh, seed):
+  """Windows of updates added into a base at index rows split over ranks
+  (rows and their updates alike, sometimes not), into zeros or a partial base
+  like the updates; windows covering operand dims whole may be tiled like
+  them.  Sometimes a nonzero base under split rows, a max reducer, or
+  mismatched tilings, which the lemma must refuse."""
+  rng = np.random.default_rng(seed)
+  rank = draw(st.integers(1, 3))
+  indexed = draw(st.lists(st.integers(0, rank - 1), min_size=1, max_size=rank, unique=True))
+  inserted = sorted(d for d in indexed if draw(st.booleans()))
+  covered = [d for d in range(rank) if d not in inserted]
+  n_rows = draw(st.integers(1, 2))
+  u = nearby(draw, mesh, draw_layout(draw, mesh, n_rows + len(covered), kinds=("sum",),
+                                     rotations=draw(st.booleans())), p_keep=0.85)
+  window_dims = tuple(sorted(draw(st.lists(st.integers(0, u.rank - 1), min_size=len(covered),
+                                           max_size=len(covered), unique=True))))
+  row_dims = [d for d in range(u.rank) if d not in window_dims]
+  base_shape, ushape = [1] * rank, [0] * u.rank
+  for d in inserted:
+    base_shape[d] = draw(st.integers(1, 6))
+  for w, d in zip(window_dims, covered):
+    n = tiles(mesh, u.dims[w])
+    if n > 1 or d not in indexed or draw(st.booleans()):
+      base_shape[d] = ushape[w] = draw_size(draw, n)
+    else:
+      base_shape[d] = draw(st.integers(1, 6))
+      ushape[w] = draw(st.integers(1, base_shape[d]))
+  for r in row_dims:
+    ushape[r] = draw_size(draw, tiles(mesh, u.dims[r]))
+  updates = random_values(rng, ushape)
+  rows = Layout(tuple(u.dims[r] for r in row_dims))
+  i, idx, vector_dim = _with_vector_dim(draw, mesh, rows, [ushape[r] for r in row_dims],
+                                        len(indexed), rng)
+  base_dims = [()] * rank
+  for w, d in zip(window_dims, covered):
+    base_dims[d] = u.dims[w]
+  b = nearby(draw, mesh, Layout(tuple(base_dims), u.partial, u.partial_kind, u.scale), 0.8)
+  zero = draw(st.integers(0, 3)) > 0
+  base = np.zeros(base_shape) if zero else random_values(rng, base_shape)
+  kind = draw(st.sampled_from(["sum"] * 6 + ["max"]))
+  attrs = {"scatter_dimension_numbers": _dims_text(
+      "scatter", update_window_dims=window_dims, inserted_window_dims=tuple(inserted),
+      scatter_dims_to_operand_dims=tuple(indexed), index_vector_dim=vector_dim),
+      "indices_are_sorted": False, "unique_indices": False, "gg.reduction": kind}
+  if zero:
+    attrs["gg.base_value"] = 0.0
+  op = seq_op("scatter", attrs, [base, idx, updates], base_shape, mesh,
+              operand_dtypes=[F64, "i32", F64])
+  return Case(op, [b, i, u], [base, idx, updates], seed)
+
+
 GENERATORS = {
     "dynamic-slice-untiled-dims": dynamic_slice_,
     "dynamic-update-slice-untiled-dims": dynamic_update_slice_,
@@ -698,6 +806,8 @@ GENERATORS = {
     "pad-untiled-dims": pad,
     "pad-into-one-tile": pad_into_one_tile,
     "reduce-window-untiled-dims": reduce_window,
+    "gather-split-rows-or-whole-slices": gather,
+    "scatter-add-split-rows": scatter,
 }
 
 
@@ -910,3 +1020,77 @@ def test_reference_reduce_window_agrees_with_jax():
                                              ((1, 0), (0, 2))))(x)
   got = reference.reduce_window(x, np.array(-np.inf), attrs, "max")
   np.testing.assert_allclose(got, np.asarray(want))
+
+
+_EMBEDDING_GRAD = {"scatter_dimension_numbers": _dims_text(
+    "scatter", update_window_dims=(1,), inserted_window_dims=(0,),
+    scatter_dims_to_operand_dims=(0,), index_vector_dim=1), "gg.reduction": "sum"}
+
+
+def _embedding_grad(base, tokens, updates, mesh, **attrs):
+  return seq_op("scatter", {**_EMBEDDING_GRAD, **attrs}, [base, tokens, updates],
+                base.shape, mesh, operand_dtypes=[F64, "i32", F64])
+
+
+def test_scatter_refuses_rows_split_unlike_their_indices():
+  """Every rank holding all the token ids but only its rows of updates would
+  scatter its updates at the first rows' tokens."""
+  mesh = ir.Mesh((("x", 2),))
+  op = _embedding_grad(np.zeros((5, 3)), np.zeros((4, 1)), np.ones((4, 3)), mesh,
+                       **{"gg.base_value": 0.0})
+  for rows in (Layout(((), ())), Layout((("y",), ()))):
+    steps = apply_lemmas(op, [Layout.replicated(2), rows, Layout((("x",), ()))])
+    assert not [s for s in steps if s.lemma == "scatter-add-split-rows"]
+
+
+def test_scatter_refuses_a_nonzero_base_under_split_rows():
+  """Each rank adds its rows into its own copy of the base: summed, the base
+  counts once per rank."""
+  mesh = ir.Mesh((("x", 2),))
+  op = _embedding_grad(np.ones((5, 3)), np.zeros((4, 1)), np.ones((4, 3)), mesh)
+  split = [Layout.replicated(2), Layout((("x",), ())), Layout((("x",), ()))]
+  assert not [s for s in apply_lemmas(op, split) if s.lemma == "scatter-add-split-rows"]
+  zeros = _embedding_grad(np.zeros((5, 3)), np.zeros((4, 1)), np.ones((4, 3)), mesh,
+                          **{"gg.base_value": 0.0})
+  assert [s.layout for s in apply_lemmas(zeros, split)
+          if s.lemma == "scatter-add-split-rows"] == [Layout(((), ()), ("x",))]
+
+
+def test_reference_gather_and_scatter_agree_with_jax():
+  """The numpy gather and scatter the lemma tests and the interpreter run are
+  XLA's: an embedding lookup (ids out of range clamped) and its gradient (ids
+  out of range dropped), and a gather with the index vector first."""
+  import jax
+  from jax import lax
+  rng = np.random.default_rng(0)
+  table = rng.standard_normal((6, 3)).astype(np.float32)
+  ids = rng.integers(-2, 8, (2, 4)).astype(np.int32)
+  take = {"dimension_numbers": _dims_text("gather", offset_dims=(2,), collapsed_slice_dims=(0,),
+                                          start_index_map=(0,), index_vector_dim=2),
+          "slice_sizes": (1, 3)}
+  want = jax.jit(lambda t, i: lax.gather(
+      t, i[..., None], lax.GatherDimensionNumbers((2,), (0,), (0,)), (1, 3),
+      mode=lax.GatherScatterMode.CLIP))(table, ids)
+  np.testing.assert_allclose(reference.gather(table, ids[..., None], take), np.asarray(want))
+  g = rng.standard_normal((2, 4, 3)).astype(np.float32)
+  add = {"scatter_dimension_numbers": _dims_text(
+      "scatter", update_window_dims=(2,), inserted_window_dims=(0,),
+      scatter_dims_to_operand_dims=(0,), index_vector_dim=2)}
+  sdims = lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(0,),
+                                     scatter_dims_to_operand_dims=(0,))
+  want = jax.jit(lambda i, u: lax.scatter_add(
+      np.zeros((6, 3), np.float32), i[..., None], u, sdims,
+      mode=lax.GatherScatterMode.FILL_OR_DROP))(ids, g)
+  np.testing.assert_allclose(reference.scatter(np.zeros((6, 3), np.float32), ids[..., None], g,
+                                               add, "sum"), np.asarray(want), rtol=1e-6)
+  x = rng.standard_normal((5, 4, 3)).astype(np.float32)
+  starts = rng.integers(-1, 5, (2, 3)).astype(np.int32)   # index vector first: [2, rows]
+  dims = lax.GatherDimensionNumbers(offset_dims=(0, 2), collapsed_slice_dims=(1,),
+                                    start_index_map=(1, 0))
+  want = jax.jit(lambda v, s: lax.gather(v, s.T, dims, (2, 1, 3),
+                                         mode=lax.GatherScatterMode.CLIP))(x, starts)
+  attrs = {"dimension_numbers": _dims_text("gather", offset_dims=(0, 2),
+                                           collapsed_slice_dims=(1,), start_index_map=(1, 0),
+                                           index_vector_dim=0), "slice_sizes": (2, 1, 3)}
+  np.testing.assert_allclose(reference.gather(x, starts, attrs), np.asarray(want))
+
