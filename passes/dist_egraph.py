@@ -3,8 +3,8 @@
 Every op of the per-device program becomes an e-node (``terms.op_head``), so
 "does the distributed program compute f(x, y)?" is one hash-cons lookup.  A
 few declarative rules make that lookup robust to spelling: copies and no-op
-reshapes are their operand, broadcasts of splats are splats, commutative ops
-match either operand order.  Constants are splats by value, so a lemma that
+reshapes are their operand, broadcasts of splats are splats, a select of one
+value either way is that value, commutative ops match either operand order.  Constants are splats by value, so a lemma that
 proposes ``add(x, splat 1.0)`` finds XLA's ``add(x, broadcast(constant 1))``.
 """
 
@@ -48,6 +48,9 @@ NORMALIZATION_RULES = [
     Rule("broadcast-of-splat", ("broadcast_in_dim", "?x"), _splat_broadcast),
     Rule("reshape-of-splat", ("reshape", "?x"), _splat_broadcast),
     Rule("convert-of-splat", ("convert", "?x"), _splat_broadcast),
+    # GSPMD keeps a replicated scatter base on partition 0 only:
+    # select(pid != 0, 0, base), and the base is itself 0.
+    Rule("select-of-equal-branches", ("select", "?p", "?x", "?x"), "?x"),
 ] + [Rule(f"{op}-commutes", (op, "?x", "?y"), _swap) for op in sorted(terms.COMMUTATIVE)]
 
 

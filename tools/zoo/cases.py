@@ -293,6 +293,22 @@ def _dp_cumsum_local(axis):
   return lambda x, w: jnp.cumsum(x @ w, axis=axis)
 
 
+def embedding_seq(ids, table):
+  """An embedding lookup (ids arrive as floats; jnp.take, a gather) and a tanh."""
+  return jnp.tanh(jnp.take(table, ids.astype(jnp.int32), axis=0, mode="clip"))
+
+
+def _fsdp_embedding_local(gather_table=True):
+  """Ids over dp, the table's rows too (ZeRO-3): all-gather the table, then
+  look up.  ``gather_table=False`` is the bug: each rank looks its ids up in
+  its own quarter of the table (clip mode clamps them into it)."""
+  def local(ids, table):
+    if gather_table:
+      table = lax.all_gather(table, "dp", axis=0, tiled=True)
+    return embedding_seq(ids, table)
+  return local
+
+
 def _gather_hidden_then_reshape(x):
   """The bug: gather along hidden, then reshape to the shape the seq gather
   would have produced.  Types check; rows come out interleaved by device."""
@@ -358,6 +374,10 @@ _PROGRAMS = {p.name: p for p in [
     _Program("dp_cumsum", cumsum_seq,
              ((16, 8), (8, 8)),
              (P("dp", None), P()),
+             P("dp", None), (4,), ("dp",)),
+    _Program("fsdp_embedding", embedding_seq,
+             ((16,), (8, 4)),
+             (P("dp"), P("dp", None)),
              P("dp", None), (4,), ("dp",)),
     _Program("sp_allgather_mlp", mlp_seq,
              ((32, 32), (32, 64), (64,), (64, 32), (32,)),
@@ -427,6 +447,10 @@ def _variants() -> list[_Variant]:
       V("dp_cumsum", _dp_cumsum_local(1)),
       V("dp_cumsum", _dp_cumsum_local(0), "cumsum_wrong_axis", "wrong_axis",
         "reduce_window"),
+      V("fsdp_embedding", _fsdp_embedding_local()),
+      # The lookup reads a quarter of the table as if it were all of it.
+      V("fsdp_embedding", _fsdp_embedding_local(gather_table=False), "table_not_gathered",
+        "missing_allgather", "gather"),
       V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_seq)),
       # Rows reach x @ w1 permuted, so the first matmul is already wrong.
       V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_hidden_then_reshape),

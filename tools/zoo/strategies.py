@@ -759,6 +759,13 @@ def _shard_map_grad_case(model, strategy, cfg, variant="ok", check_vma=True, bug
               style="shard_map", bug=bug, bug_primitive=bug_primitive)
 
 
+def _looked_up(strategy: _Strategy) -> _Strategy:
+  """``strategy`` with tokens embedded by ``jnp.take`` (a gather; its gradient a
+  scatter-add) instead of a one-hot matmul."""
+  return dataclasses.replace(strategy, name=f"{strategy.name}_take",
+                             cfg_overrides=strategy.cfg_overrides + (("embedding", "take"),))
+
+
 def _scanned(strategy: _Strategy) -> _Strategy:
   return dataclasses.replace(strategy, name=f"{strategy.name}_scan",
                              cfg_overrides=strategy.cfg_overrides + (("scan_layers", True),))
@@ -904,6 +911,15 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built.append(_shard_map_case("gpt2", RING_ATTENTION, cfg, "output_not_rescaled",
                                _ring_attention_par(rescale_output=False),
                                "output_not_rescaled", "dot_general"))
+  # Embeddings looked up by a gather (jnp.take), forward and backward, under
+  # GSPMD and shard_map: tokens split over the batch, and over dp x cp with TP.
+  for model in MODELS:
+    for strategy in (_looked_up(_STRATEGIES["dp"]), _looked_up(_STRATEGIES["dp_tp_cp"])):
+      built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
+      built.append(_gspmd_case(model, strategy, cfg))
+      if grad:
+        built.append(_shard_map_grad_case(model, strategy, cfg))
+        built.append(_grad_case(model, strategy, cfg))
   # Layers stacked under lax.scan: proved by one inductive step of the loop.
   for model in MODELS:
     for strategy in _STRATEGIES.values():
