@@ -1,9 +1,14 @@
 """The e-graph's hash-cons stays congruent: after any unions and a rebuild,
-every node added is found again from its children's current classes."""
+every node added is found again from its children's current classes; and the
+per-device e-graph's identities hold."""
 
+import numpy as np
 from hypothesis import given, settings, strategies as st
 
+from graphguard_hlo import ir, reference
+from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.egraph import EGraph, ENode
+from tests.test_online_softmax import Builder, _t
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -40,3 +45,23 @@ def test_a_node_repaired_through_one_child_is_found_through_another():
   eg.union(a2, a)
   eg.rebuild()
   assert eg.lookup(ENode(("f",), (a2, b2))) == eg.find(f)
+
+
+def test_identities_the_per_device_egraph_reads():
+  """max(x, -inf) is x, min(x, +inf) is x and select(p, y, y) is y (NaN
+  included, by the reference semantics), and nothing weaker is taken for
+  them: max with another constant, select of two values."""
+  b = Builder([_t(3), _t(3), ir.TensorType((3,), "i1")])
+  x, y, p = b.g.params
+  same = [b.op("maximum", [b.splat(-np.inf, (3,)), x], _t(3)),
+          b.op("minimum", [x, b.splat(np.inf, (3,))], _t(3)),
+          b.op("select", [p, y, y], _t(3))]
+  other = [b.op("maximum", [x, b.splat(-1e9, (3,))], _t(3)),
+           b.op("select", [p, x, y], _t(3))]
+  deg = DistEGraph(b.g)
+  assert [deg.of(v) for v in same] == [deg.of(x), deg.of(x), deg.of(y)]
+  assert all(deg.of(v) not in (deg.of(x), deg.of(y)) for v in other)
+  values = np.array([1.0, np.nan, -np.inf])
+  for name, c in (("maximum", -np.inf), ("minimum", np.inf)):
+    got = reference.evaluate(name, {}, [values, np.full(3, c)], _t(3))
+    np.testing.assert_array_equal(got, values)
