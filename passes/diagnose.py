@@ -112,7 +112,8 @@ def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
         if not lay.is_clean():
           notes.append(f"{_dname(dv)}, where {_scale_words(lay.scale, inf.mesh)}")
         elif lay.partial:
-          notes.append(f"{_dname(dv)}, a partial sum over {_axes(lay.partial)}")
+          kind = "sum" if lay.partial_kind == "sum" else lay.partial_kind + "imum"
+          notes.append(f"{_dname(dv)}, a partial {kind} over {_axes(lay.partial)}")
       elif dv.producer is not None and inf.deg.splat(c) is None:  # (constants match)
         if seq_of is None:
           seq_of = _seq_values_by_class(inf)
@@ -325,11 +326,19 @@ def _fold_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
+def _under_reshapes(v: ir.Value) -> Optional[ir.Op]:
+  """The op producing v, seen through broadcasts, reshapes and converts."""
+  op = v.producer
+  while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert"):
+    op = op.operands[0].producer
+  return op
+
+
 def _iota_words(inf, op: ir.Op) -> Optional[str]:
   """A sequential iota (positions, a mask's rows) whose per-device tiles are
   missing: if the devices run iotas of a tile's length, they count from 0."""
-  iotas = [op] if op.name == "iota" else [v.producer for v in op.operands
-                                          if v.producer is not None and v.producer.name == "iota"]
+  iotas = [op] if op.name == "iota" else [p for p in map(_under_reshapes, op.operands)
+                                          if p is not None and p.name == "iota"]
   offset = {id(v.producer) for add in inf.transfer.iota_adds for v in add.operands}
   for seq_iota in iotas:
     t = seq_iota.results[0].type
@@ -341,8 +350,28 @@ def _iota_words(inf, op: ir.Op) -> Optional[str]:
       if n < n_seq and n_seq % n == 0:
         return (f"the sequential iota at {seq_iota.location} counts 0..{n_seq - 1}; the "
                 f"per-device program counts 0..{n - 1} (iota at {d_op.location}) with no "
-                f"rank offset, so every rank uses the first shard's positions (positions "
-                f"or mask not offset per shard?)")
+                f"rank offset, so every rank uses the first shard's values (positions, "
+                f"ids or mask not offset per shard?)")
+  return None
+
+
+def _indexed_tile_words(inf, op: ir.Op) -> Optional[str]:
+  """A gather (or scatter) whose operand every rank holds only a tile of
+  along a dim the indices pick from: each rank looks up (or adds into) its
+  tile as if it were the whole table."""
+  if op.name not in ("gather", "scatter"):
+    return None
+  from graphguard_hlo.reference import dimension_numbers
+  key, field = (("dimension_numbers", "start_index_map") if op.name == "gather" else
+                ("scatter_dimension_numbers", "scatter_dims_to_operand_dims"))
+  indexed = dimension_numbers(op.attrs.get(key, "")).get(field, ())
+  for r in inf.whole_relations(op.operands[0]):
+    split = [(d, r.layout.dims[d]) for d in indexed if d < r.layout.rank and r.layout.dims[d]]
+    if split:
+      d, axes = split[0]
+      return (f"its indices pick along dim {d}, which each rank holds only a tile of "
+              f"(split over {_axes(axes)}): every rank indexes its tile as if it were the "
+              f"whole dim (missing all-gather?)")
   return None
 
 
@@ -351,7 +380,7 @@ def diagnose_op(inf, op: ir.Op):
   inputs = [(f"%{v.id}: {v.type}", inf.describe(v)) for v in op.operands]
   problems = _operand_problems(inf, op)
   for words in (_ring_words(inf, op), _fold_words(inf, op), _pin_words(inf, op),
-                _iota_words(inf, op)):
+                _iota_words(inf, op), _indexed_tile_words(inf, op)):
     if words:
       problems.append(words)
   counterpart = _counterpart_words(inf, op)
