@@ -47,8 +47,12 @@ def test_correct_model_is_proved(case):
 # What each seeded bug's diagnosis must say: the words that name the bug class.
 _DIAGNOSES: dict[str, str] = {
     "gpt2/fsdp/shard_map/wrong_gather_dim": "shard concatenated on the wrong dim",
+    "gpt2/fsdp_take/shard_map/table_not_gathered": "(missing all-gather?)",
+    "llama3/fsdp_take/shard_map/table_not_gathered": "(missing all-gather?)",
     "llama3/sp/shard_map/rope_no_offset": "with no rank offset",
     "llama3/tp/shard_map/gqa_wrong_heads": "reads the related operands but gives",
+    "gpt2/tp_vocab/shard_map/nll_max_not_reduced": "partial max over 'tp' that is never reduced",
+    "llama3/tp_vocab/shard_map/vocab_ids_not_offset": "with no rank offset",
     "gpt2/tp/shard_map/missing_allreduce": "(missing all-reduce)",
     "llama3/tp/shard_map/missing_allreduce": "(missing all-reduce)",
     "gpt2/dp/shard_map/loss_wrong_scale": "psum where pmean belongs?",

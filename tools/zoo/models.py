@@ -151,6 +151,11 @@ class Parallel:
   attend: Optional[Callable] = None
   # per-token nll [b, s] -> scalar loss
   combine_loss: Callable = jnp.mean
+  # (tokens, table as held, cfg) -> embeddings; (logits as held, labels) ->
+  # per-token nll: vocab-parallel versions split the table's rows and the
+  # logits' columns (Megatron).
+  embed_tokens: Callable = lambda tokens, table, cfg: embed(tokens, table, cfg)
+  token_nll: Callable = lambda logits, labels: cross_entropy(logits, labels)
   # MoE: tokens [experts, b, s, d] held by token owners -> by expert owners,
   # and the experts' outputs back (all-to-alls under expert parallelism).
   to_experts: Callable = _identity
@@ -320,7 +325,7 @@ def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
   wte = p["wte"]
   # Token embedding plus learned positions (wpe holds this device's rows:
   # all of them, or its sequence shard).
-  h = embed(tokens, wte, cfg) + p["wpe"][None]
+  h = par.embed_tokens(tokens, wte, cfg) + p["wpe"][None]
 
   def layer(h, w):
     a = par.gather_seq(layernorm(h, w("ln1_g"), w("ln1_b")))
@@ -341,7 +346,7 @@ def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
   h = _run_layers(h, p, cfg, layer, par)
   h = layernorm(h, p["lnf_g"], p["lnf_b"])
   logits = h @ wte.T                              # tied output head
-  return par.combine_loss(cross_entropy(logits, labels))
+  return par.combine_loss(par.token_nll(logits, labels))
 
 
 # --------------------------------------------------------------------------
@@ -368,7 +373,7 @@ def _gqa_attention(a, wq, wk, wv, cos, sin, cfg: Config, par: Parallel):
 
 def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
   p = _unpack("llama3", cfg, params)
-  h = embed(tokens, p["emb"], cfg)
+  h = par.embed_tokens(tokens, p["emb"], cfg)
   # Positions of this device's tokens, gathered like the activations: the
   # rotary tables are built for the full sequence attention runs over.
   pos = par.gather_seq(par.positions(tokens.shape[1]), 0)
@@ -387,7 +392,7 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
   h = _run_layers(h, p, cfg, layer, par)
   h = rmsnorm(h, p["final_norm"])
   logits = h @ p["head"]                          # untied output head
-  return par.combine_loss(cross_entropy(logits, labels))
+  return par.combine_loss(par.token_nll(logits, labels))
 
 
 def moe_mlp(m, w, par: Parallel, top_k: int, capacity: int = 0):

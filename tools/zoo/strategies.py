@@ -321,6 +321,47 @@ def _sp_par(with_offset=True):
                   combine_loss=_pmean_of_mean("tp"))
 
 
+def _vocab_offset_iota(n, axis, with_offset=True):
+  """This rank's vocabulary ids: rows ``r * n ...`` of a table split by rows."""
+  ids = jnp.arange(n, dtype=jnp.int32)
+  return ids + lax.axis_index(axis) * n if with_offset else ids
+
+
+def _vocab_parallel_embed(axis):
+  """Megatron's vocab-parallel embedding, as a one-hot lookup: each rank
+  matches the tokens against its own rows of the table (zero for a token
+  another rank holds) and the psum adds the one row that matched."""
+  def embed_tokens(tokens, table, cfg):
+    onehot = (tokens[..., None] == _vocab_offset_iota(table.shape[0], axis)).astype(jnp.float32)
+    return lax.psum(onehot @ table, axis)
+  return embed_tokens
+
+
+def _vocab_parallel_nll(axis, reduce_max=True, with_offset=True):
+  """Megatron's vocab-parallel cross entropy on logits split by vocabulary:
+  log_softmax's row max by pmax and its sum of exps by psum, the label's
+  log-probability picked on the rank that holds it and psum'd.  The bugs:
+  ``reduce_max=False`` shifts each rank's logits by its own max;
+  ``with_offset=False`` matches labels against every rank's ids as if they
+  were the first rank's."""
+  def nll(logits, labels):
+    m = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
+    if reduce_max:
+      m = lax.pmax(m, axis)
+    shifted = logits - m
+    logp = shifted - jnp.log(lax.psum(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True), axis))
+    ids = _vocab_offset_iota(logits.shape[-1], axis, with_offset)
+    onehot = (labels[..., None] == ids).astype(jnp.float32)
+    return -lax.psum(jnp.sum(onehot * logp, axis=-1), axis)
+  return nll
+
+
+def _tp_vocab_par(**nll_bug):
+  """Megatron TP with the embedding, output head and loss split by vocabulary."""
+  return dataclasses.replace(_tp_par(), embed_tokens=_vocab_parallel_embed("tp"),
+                             token_nll=_vocab_parallel_nll("tp", **nll_bug))
+
+
 def _dp_tp_par():
   return _tp_par(combine=_pmean_of_mean("dp"))
 
@@ -416,6 +457,14 @@ def _tp_param_spec(model, name):
   return _TP_SPECS[model].get(base_name(name), P())
 
 
+# The vocabulary dim of the embedding table and the output head over "tp".
+_VOCAB_SPECS = {"wte": P("tp", None), "emb": P("tp", None), "head": P(None, "tp")}
+
+
+def _tp_vocab_param_spec(model, name):
+  return _VOCAB_SPECS.get(name) or _tp_param_spec(model, name)
+
+
 def _sp_param_spec(model, name):
   if model == "gpt2" and name == "wpe":
     return P("tp", None)
@@ -447,6 +496,7 @@ _STRATEGIES = {s.name: s for s in [
     _Strategy("dp", (4,), ("dp",), P("dp", None), _no_param_specs, _dp_par,
               (("batch", 4),)),
     _Strategy("tp", (4,), ("tp",), P(), _tp_param_spec, _tp_par),
+    _Strategy("tp_vocab", (4,), ("tp",), P(), _tp_vocab_param_spec, _tp_vocab_par),
     _Strategy("sp", (4,), ("tp",), P(None, "tp"), _sp_param_spec, _sp_par),
     _Strategy("dp_tp", (2, 4), ("dp", "tp"), P("dp", None), _tp_param_spec,
               _dp_tp_par),
@@ -512,6 +562,14 @@ class _Bug:
 
 def _bugs() -> list[_Bug]:
   return [
+      # Vocab-parallel cross entropy with each rank's logits shifted by its own
+      # row max (the pmax forgotten): the max's broadcast reads a partial max.
+      _Bug("gpt2", "tp_vocab", "nll_max_not_reduced", "broadcast_in_dim",
+           lambda: _tp_vocab_par(reduce_max=False)),
+      # ... with every rank matching the labels against ids 0..V/4-1: the one-hot
+      # compare of labels with the vocabulary ids is the first op no rank holds.
+      _Bug("llama3", "tp_vocab", "vocab_ids_not_offset", "compare",
+           lambda: _tp_vocab_par(with_offset=False)),
       # Every rank uses positions 0..n-1: the sequential position iota (the
       # first op of the rotary tables) is the first value the devices hold
       # wrong slices of (all but rank 0).
@@ -678,30 +736,36 @@ def _fsdp_specs(model, cfg) -> tuple:
 
 
 def _specs(model, strategy, cfg) -> tuple:
-  return _fsdp_specs(model, cfg) if strategy is FSDP else _in_specs(model, strategy, cfg)
+  fsdp = strategy.name.split("_")[0] == FSDP.name  # FSDP itself or a variant of it
+  return _fsdp_specs(model, cfg) if fsdp else _in_specs(model, strategy, cfg)
 
 
 def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=None,
-               scan=False, grad=False) -> Case:
+               scan=False, grad=False, take=False, ungathered=()) -> Case:
   """shard_map FSDP: gather each sharded weight (along ``gather_dim``: 0 is right;
   1 is the seeded bug, made shape-correct by a reshape) and run the dp loss.
+  ``take``: tokens embedded by ``jnp.take``; the weights named in ``ungathered``
+  are used as each rank holds them (the seeded bug: a lookup in a quarter of
+  the table).
 
   ``scan``: layers stacked under ``lax.scan``, each layer's weights sharded on
   their own leading dim and gathered inside the scanned layer (ZeRO-3 proper);
   the rest gathered up front.  ``grad``: value_and_grad of the step inside
   shard_map; the gathers transpose to reduce-scatters, so every gradient comes
   out sharded like its parameter."""
-  cfg = _cfg(FSDP, dataclasses.replace(cfg, scan_layers=scan))
+  cfg = _cfg(FSDP, dataclasses.replace(cfg, scan_layers=scan,
+                                      embedding="take" if take else cfg.embedding))
   mesh = _mesh(FSDP.mesh_shape, FSDP.axis_names)
   names = [n for n, _ in param_specs(model, cfg)]
   shapes = [s for _, s in param_specs(model, cfg)]
   specs = _fsdp_specs(model, cfg)
   layer_shapes = {base_name(n): s[1:] for n, s in zip(names, shapes) if is_stacked(n)}
+  name = "fsdp_take" if take else "fsdp"
   kind = ("scan_" if scan else "") + ("grad" if grad else "")
-  label = _ident(model, "fsdp", kind or variant)
+  label = _ident(model, name, kind or variant)
 
-  def gather(p, shape):
-    if _fsdp_spec(shape)[0] != "dp":
+  def gather(p, shape, name=None):
+    if _fsdp_spec(shape)[0] != "dp" or name in ungathered:
       return p
     if gather_dim == 0 or len(shape) < 2:
       return lax.all_gather(p, "dp", axis=0, tiled=True)
@@ -712,16 +776,16 @@ def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=N
   local = loss_fn(model, cfg, par, name=label)
 
   def body(tokens, labels, *params):
-    return local(tokens, labels, *[p if is_stacked(n) else gather(p, s)
+    return local(tokens, labels, *[p if is_stacked(n) else gather(p, s, n)
                                    for p, n, s in zip(params, names, shapes)])
   body.__name__ = body.__qualname__ = label
   seq_fn, out_specs = _seq_fn(model, cfg), P()
   if grad:
-    seq_fn = _named(_loss_and_grads(seq_fn, len(names)), _ident(model, "fsdp", kind, "seq"))
+    seq_fn = _named(_loss_and_grads(seq_fn, len(names)), _ident(model, name, kind, "seq"))
     body = _loss_and_grads(body, len(names))
     out_specs = (P(), tuple(specs[2:]))
   dist_fn = shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)
-  strategy = "fsdp" + ("_scan" if scan else "") + ("_grad" if grad else "")
+  strategy = name + ("_scan" if scan else "") + ("_grad" if grad else "")
   return Case(name=f"{model}/{strategy}/shard_map/{variant}", seq_fn=seq_fn,
               dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
               dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
@@ -911,8 +975,9 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built.append(_shard_map_case("gpt2", RING_ATTENTION, cfg, "output_not_rescaled",
                                _ring_attention_par(rescale_output=False),
                                "output_not_rescaled", "dot_general"))
-  # Embeddings looked up by a gather (jnp.take), forward and backward, under
-  # GSPMD and shard_map: tokens split over the batch, and over dp x cp with TP.
+  # Embeddings looked up by a gather (jnp.take), its gradient a scatter-add:
+  # forward and backward under dp and dp x tp x cp, shard_map and GSPMD; the
+  # training step (forward+backward) under the other strategies.
   for model in MODELS:
     for strategy in (_looked_up(_STRATEGIES["dp"]), _looked_up(_STRATEGIES["dp_tp_cp"])):
       built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
@@ -920,6 +985,22 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       if grad:
         built.append(_shard_map_grad_case(model, strategy, cfg))
         built.append(_grad_case(model, strategy, cfg))
+    if grad:
+      for strategy in map(_looked_up, (_STRATEGIES["tp"], _STRATEGIES["sp"])):
+        built.append(_shard_map_grad_case(model, strategy, cfg))
+        built.append(_grad_case(model, strategy, cfg))
+      for strategy in map(_looked_up, (PP, CP_RING)):
+        built.append(_shard_map_grad_case(model, strategy, cfg))
+      built.append(_fsdp_case(model, cfg, take=True, grad=True))
+      built.append(_grad_case(model, _looked_up(FSDP), cfg))
+  if grad:
+    built.append(_shard_map_grad_case("llama3", _looked_up(EP), cfg))
+    built.append(_grad_case("llama3", _looked_up(EP), cfg))
+  # ZeRO-3 with the embedding table left as each rank holds it (not
+  # all-gathered): the lookup reads a quarter of the table as if it were all.
+  for model, table in (("gpt2", "wte"), ("llama3", "emb")):
+    built.append(_fsdp_case(model, cfg, "table_not_gathered", take=True, ungathered=(table,),
+                            bug="missing_allgather", bug_primitive="gather"))
   # Layers stacked under lax.scan: proved by one inductive step of the loop.
   for model in MODELS:
     for strategy in _STRATEGIES.values():
