@@ -44,15 +44,18 @@ def test_names_and_metadata():
                                    "wrong_replica_groups", "mask_no_offset",
                                    "kv_gathered_over_wrong_axis", "wrong_permutation",
                                    "output_not_rescaled", "ring_over_wrong_axis",
-                                   "slots_over_all_tokens"}
+                                   "slots_over_all_tokens", "missing_allgather",
+                                   "nll_max_not_reduced", "vocab_ids_not_offset"}
   for model in ("gpt2", "llama3"):
-    for strategy in ("dp", "tp", "sp", "dp_tp", "cp", "dp_tp_cp"):
+    for strategy in ("dp", "tp", "tp_vocab", "sp", "dp_tp", "cp", "dp_tp_cp", "dp_take"):
       for style in ("shard_map", "gspmd"):
         strategies.get(f"{model}/{strategy}/{style}/ok")
     strategies.get(f"{model}/fsdp/shard_map/ok")
     strategies.get(f"{model}/pp/shard_map/ok")
     strategies.get(f"{model}/pp_grad/shard_map/ok")
     strategies.get(f"{model}/pp_tp_grad/shard_map/ok")
+    strategies.get(f"{model}/fsdp_take_grad/shard_map/ok")
+    strategies.get(f"{model}/ring_attention_vjp_grad/shard_map/ok")
   strategies.get("llama3/ep_capacity_grad/gspmd/ok")
 
 
