@@ -1,13 +1,29 @@
-"""Give the CPU backend 8 devices before anything imports jax.
+"""Give the CPU backend 8 devices before anything imports jax, and let go of
+compiled programs between tests.
 
 XLA reads ``XLA_FLAGS`` once, when the backend starts, so this must run before
 any test module (or ``tools.zoo``) touches ``jax.devices()``.
 """
 
 import os
+import sys
+
+import pytest
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}=8").strip()
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+  """Drop jax's compiled programs after each test.  Each XLA CPU executable
+  keeps its machine code mapped, and jax's caches keep every executable: over
+  the whole suite one process crossed the kernel's limit of 65,530 memory maps
+  (vm.max_map_count) and died inside the compiler."""
+  yield
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    jax.clear_caches()
