@@ -8,8 +8,9 @@ both programs numerically, so it favours obviously-correct over fast.
 Ops compute in their operands' precision (tests pass float64); only
 ``convert`` and ``iota`` look at ``result_type.dtype``.  ``partition_id`` and
 the collectives depend on the rank and are not here.  ``reduce`` (and
-``reduce_window``, ``scatter``) reads its reducer from ``attrs["gg.reduction"]`` ("sum", "max", "min", "mul"), the form
-``inference`` gives it, and takes ``[operand, init]``.
+``reduce_window``, ``scatter``) reads its reducer from ``attrs["gg.reduction"]``
+("sum", "max", "min", "mul"), the form ``inference`` gives it; ``reduce`` takes
+``[operand, init]``.
 """
 
 from __future__ import annotations
@@ -185,6 +186,14 @@ def _index_rows(indices: np.ndarray, index_vector_dim: int) -> np.ndarray:
   return np.moveaxis(indices, index_vector_dim, -1)
 
 
+def _row_start(rows: np.ndarray, row: tuple, index_map: Sequence[int], rank: int) -> list[int]:
+  """The operand index row ``row`` of the indices starts at (0 off ``index_map``)."""
+  start = [0] * rank
+  for k, d in enumerate(index_map):
+    start[d] = int(rows[row + (k,)])
+  return start
+
+
 def gather(x: np.ndarray, indices: np.ndarray, attrs: dict) -> np.ndarray:
   """StableHLO gather (no batching dims): result[batch, offset] reads x at the
   start its row of indices gives (clamped so the slice fits) plus offset."""
@@ -197,9 +206,8 @@ def gather(x: np.ndarray, indices: np.ndarray, attrs: dict) -> np.ndarray:
   window = [d for d in range(x.ndim) if d not in collapsed]
   out = np.empty(rows.shape[:-1] + tuple(sizes[d] for d in window), x.dtype)
   for b in np.ndindex(rows.shape[:-1]):
-    start = [0] * x.ndim
-    for k, d in enumerate(start_map):
-      start[d] = int(np.clip(rows[b + (k,)], 0, x.shape[d] - sizes[d]))
+    start = [int(np.clip(s, 0, n - k)) for s, n, k in
+             zip(_row_start(rows, b, start_map, x.ndim), x.shape, sizes)]
     block = x[tuple(slice(s, s + n) for s, n in zip(start, sizes))]
     out[b] = block.reshape([sizes[d] for d in window])
   n_batch = rows.ndim - 1
@@ -207,9 +215,6 @@ def gather(x: np.ndarray, indices: np.ndarray, attrs: dict) -> np.ndarray:
   perm = [n_batch + offset_dims.index(d) if d in offset_dims else batch_out.index(d)
           for d in range(n_batch + len(window))]
   return np.transpose(out, perm).copy()
-
-
-_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "mul": np.multiply}
 
 
 def scatter(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, attrs: dict,
@@ -230,13 +235,11 @@ def scatter(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, attrs: dict
     sizes[d] = n
   out = x.copy()
   for b in np.ndindex(rows.shape[:-1]):
-    start = [0] * x.ndim
-    for k, d in enumerate(to_operand):
-      start[d] = int(rows[b + (k,)])
+    start = _row_start(rows, b, to_operand, x.ndim)
     if any(s < 0 or s + n > dim for s, n, dim in zip(start, sizes, x.shape)):
       continue
     place = tuple(slice(s, s + n) for s, n in zip(start, sizes))
-    out[place] = _COMBINE[kind](out[place], windows[b].reshape(sizes))
+    out[place] = REDUCERS[kind](out[place], windows[b].reshape(sizes))
   return out
 
 

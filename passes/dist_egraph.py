@@ -5,8 +5,8 @@ Every op of the per-device program becomes an e-node (``terms.op_head``), so
 few declarative rules make that lookup robust to spelling: copies and no-op
 reshapes are their operand, broadcasts of splats are splats, a select of one
 value either way is that value, so is a max with -inf (min with +inf), and
-commutative ops match either operand order.  Constants are splats by value, so a lemma that
-proposes ``add(x, splat 1.0)`` finds XLA's ``add(x, broadcast(constant 1))``.
+commutative ops match either operand order.  Constants are splats by value, so
+a lemma that proposes ``add(x, splat 1.0)`` finds XLA's ``add(x, broadcast(constant 1))``.
 """
 
 from __future__ import annotations
@@ -41,12 +41,9 @@ def _splat_broadcast(eg: EGraph, b: dict, node: ENode) -> Optional[ENode]:
   return None
 
 
-def _y_is_minus_inf(eg: EGraph, b: dict, node: ENode) -> bool:
-  return _splat_of(eg, b["?y"]) == -math.inf
-
-
-def _y_is_plus_inf(eg: EGraph, b: dict, node: ENode) -> bool:
-  return _splat_of(eg, b["?y"]) == math.inf
+def _y_is(value: float):
+  """A rule condition: ``?y`` is a splat of ``value``."""
+  return lambda eg, b, node: _splat_of(eg, b["?y"]) == value
 
 
 NORMALIZATION_RULES = [
@@ -61,8 +58,8 @@ NORMALIZATION_RULES = [
     # select(pid != 0, 0, base), and the base is itself 0.
     Rule("select-of-equal-branches", ("select", "?p", "?x", "?x"), "?x"),
     # jnp.max(..., initial=-inf) maxes with -inf (exact: XLA's max propagates NaN).
-    Rule("maximum-with-minus-inf", ("maximum", "?x", "?y"), "?x", when=_y_is_minus_inf),
-    Rule("minimum-with-plus-inf", ("minimum", "?x", "?y"), "?x", when=_y_is_plus_inf),
+    Rule("maximum-with-minus-inf", ("maximum", "?x", "?y"), "?x", when=_y_is(-math.inf)),
+    Rule("minimum-with-plus-inf", ("minimum", "?x", "?y"), "?x", when=_y_is(math.inf)),
 ] + [Rule(f"{op}-commutes", (op, "?x", "?y"), _swap) for op in sorted(terms.COMMUTATIVE)]
 
 

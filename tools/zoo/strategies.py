@@ -148,6 +148,11 @@ def _offset_causal_mask(axis_name, with_offset=True):
   return mask
 
 
+def _ring_perm(n, shift=1):
+  """ppermute pairs passing each rank's block (or stage output) to rank r + shift mod n."""
+  return [(i, (i + shift) % n) for i in range(n)]
+
+
 def _ring_gather_seq(axis_name, shift=1):
   """Keys and values gathered round a ring of ``ppermute``s (the exchange of
   ring attention, which overlaps it with compute): each step writes the block
@@ -162,7 +167,7 @@ def _ring_gather_seq(axis_name, shift=1):
     for t in range(n):
       buf = lax.dynamic_update_slice_in_dim(buf, x, ((r - t) % n) * block, axis)
       if t < n - 1:
-        x = lax.ppermute(x, axis_name, [(i, (i + shift) % n) for i in range(n)])
+        x = lax.ppermute(x, axis_name, _ring_perm(n, shift))
     return buf
   return gather
 
@@ -173,6 +178,12 @@ def _block_mask(s, r, n, t):
   rows = jnp.arange(s, dtype=jnp.int32) + r * s
   cols = jnp.arange(s, dtype=jnp.int32) + ((r - t) % n) * s
   return rows[:, None] >= cols[None, :]
+
+
+def _block_scores(q, k, mask):
+  """Scaled scores of this rank's queries against a key block, masked."""
+  scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(np.sqrt(q.shape[-1]))
+  return jnp.where(mask, scores, np.float32(-1e9))
 
 
 def _online_softmax_ring(q, k, v, axis_name, shift=1, rescale_output=True, ring_axis=None):
@@ -186,8 +197,7 @@ def _online_softmax_ring(q, k, v, axis_name, shift=1, rescale_output=True, ring_
   l = jnp.zeros((b, h, s), jnp.float32)
   o = jnp.zeros((b, h, s, hd), jnp.float32)
   for t in range(n):
-    scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(np.sqrt(hd))
-    scores = jnp.where(_block_mask(s, r, n, t), scores, np.float32(-1e9))
+    scores = _block_scores(q, k, _block_mask(s, r, n, t))
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
     rescale = jnp.exp(m - m_new)
     p = jnp.exp(scores - m_new[..., None])
@@ -196,7 +206,7 @@ def _online_softmax_ring(q, k, v, axis_name, shift=1, rescale_output=True, ring_
     o = kept + jnp.einsum("bhst,bthd->bhsd", p, v)
     m = m_new
     if t < n - 1:
-      perm = [(i, (i + shift) % n) for i in range(n)]
+      perm = _ring_perm(n, shift)
       k, v = lax.ppermute(k, ring_axis, perm), lax.ppermute(v, ring_axis, perm)
   return o / l[..., None], m, l
 
@@ -245,14 +255,13 @@ def _ring_attention_vjp(axis_name):
     n = lax.axis_size(axis_name)
     r = lax.axis_index(axis_name)
     scale = np.float32(np.sqrt(hd))
-    perm = [(i, (i + 1) % n) for i in range(n)]
+    perm = _ring_perm(n)
     dout = dout.reshape(b, s, h, hd).transpose(0, 2, 1, 3)          # [b, h, s, hd]
     d = jnp.sum(dout * out, axis=-1)                                 # [b, h, s]
     dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
     for t in range(n):
       mask = _block_mask(s, r, n, t)
-      scores = jnp.where(mask, jnp.einsum("bshd,bthd->bhst", q, k) / scale, np.float32(-1e9))
-      p = jnp.exp(scores - lse[..., None])
+      p = jnp.exp(_block_scores(q, k, mask) - lse[..., None])
       dv = dv + jnp.einsum("bhst,bhsd->bthd", p, dout)
       dp = jnp.einsum("bhsd,bthd->bhst", dout, v)
       ds = jnp.where(mask, p * (dp - d[..., None]), 0.0) / scale
@@ -415,7 +424,7 @@ def _pipeline_stages(axis, shift=1):
     for t in range(n):
       h = run_stack_in_order(h, stacked, layer)
       if t < n - 1:
-        h = lax.ppermute(h, axis, [(s, (s + shift) % n) for s in range(n)])
+        h = lax.ppermute(h, axis, _ring_perm(n, shift))
     return lax.psum(jnp.where(stage == n - 1, h, 0.0), axis)
   return run
 
@@ -764,8 +773,8 @@ def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=N
   kind = ("scan_" if scan else "") + ("grad" if grad else "")
   label = _ident(model, name, kind or variant)
 
-  def gather(p, shape, name=None):
-    if _fsdp_spec(shape)[0] != "dp" or name in ungathered:
+  def gather(p, shape, param=None):
+    if _fsdp_spec(shape)[0] != "dp" or param in ungathered:
       return p
     if gather_dim == 0 or len(shape) < 2:
       return lax.all_gather(p, "dp", axis=0, tiled=True)
