@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -217,6 +217,62 @@ def gather(x: np.ndarray, indices: np.ndarray, attrs: dict) -> np.ndarray:
   return np.transpose(out, perm).copy()
 
 
+def tile_gather(table: np.ndarray, indices: np.ndarray, attrs: dict,
+                coords: dict[str, int]) -> np.ndarray:
+  """``gg.tile_gather`` at the rank with mesh coordinates ``coords``: a gather
+  of one row per index from a table split by rows over the axes
+  ``gg.tiles`` ((axis, size) pairs, major to minor), as the rank holding
+  tile t, rows ``[t*n, t*n + n)`` (its ``table``, n rows), computes its share.
+  Each index is first clamped to the whole table, as a gather from it clamps;
+  the rank gives the row if it falls in its tile and zeros if another rank
+  holds it.  Summed over the tiles' ranks: the whole gather."""
+  dn = dimension_numbers(attrs["dimension_numbers"])
+  (k,) = dn["start_index_map"]
+  n = table.shape[k]
+  t, count = _tile_of(attrs, coords)
+  rows = _index_rows(indices, dn["index_vector_dim"])[..., 0]
+  local = np.clip(rows, 0, count * n - 1) - t * n
+  mine = (local >= 0) & (local < n)
+  looked_up = gather(table, np.where(mine, local, 0).reshape(indices.shape), attrs)
+  mine = np.expand_dims(mine, tuple(dn.get("offset_dims", ())))
+  return np.where(mine, looked_up, np.zeros((), table.dtype))
+
+
+def top_k(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+  """``chlo.top_k``: the k largest along the last dim, largest first, and
+  their positions (the lower position first among equals, as XLA's sort is
+  stable)."""
+  order = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+  return np.take_along_axis(x, order, axis=-1), order.astype(np.int32)
+
+
+def _tile_of(attrs: dict, coords: dict[str, int]) -> tuple[int, int]:
+  """(the tile a rank holds, the tile count) of a table split by rows over the
+  axes ``gg.tiles`` ((axis, size) pairs, major to minor)."""
+  t = 0
+  for axis, size in attrs["gg.tiles"]:
+    t = t * size + coords[axis]
+  return t, math.prod(size for _, size in attrs["gg.tiles"])
+
+
+def tile_scatter(base: np.ndarray, indices: np.ndarray, updates: np.ndarray, attrs: dict,
+                 coords: dict[str, int]) -> np.ndarray:
+  """``gg.tile_scatter`` (add) at the rank with mesh coordinates ``coords``: a
+  scatter-add of one row per index into a table split by rows over the axes
+  ``gg.tiles``, as the rank holding tile t, rows ``[t*n, t*n + n)`` (its
+  ``base``, n rows), computes its share: the rows whose index falls in its
+  tile, at their local row; the others are another rank's, or beyond the
+  table (which the whole scatter skips too).  Concatenated over the tiles:
+  the whole scatter."""
+  dn = dimension_numbers(attrs["scatter_dimension_numbers"])
+  (k,) = dn["scatter_dims_to_operand_dims"]
+  n = base.shape[k]
+  t, _ = _tile_of(attrs, coords)
+  local = _index_rows(indices, dn["index_vector_dim"])[..., 0] - t * n
+  local = np.where((local >= 0) & (local < n), local, -1)  # -1: skipped
+  return scatter(base, local.reshape(indices.shape), updates, attrs, "sum")
+
+
 def scatter(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, attrs: dict,
             kind: str) -> np.ndarray:
   """StableHLO scatter (no batching dims), combining by ``kind``: each row of
@@ -296,8 +352,10 @@ def _check_elementwise_shapes(name: str, xs: list[np.ndarray]) -> None:
 # -- dispatch ----------------------------------------------------------------------
 
 def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
-             result_type: ir.TensorType) -> np.ndarray:
-  """The result of op ``name`` with canonical ``attrs`` (see ``ir``) on ``operands``."""
+             result_type: ir.TensorType, coords: Optional[dict[str, int]] = None
+             ) -> np.ndarray:
+  """The result of op ``name`` with canonical ``attrs`` (see ``ir``) on ``operands``;
+  ``coords``, the rank's mesh coordinates, for the ops that read them."""
   xs = [np.asarray(x) for x in operands]
   if name in BINARY or name in ("compare", "select", "clamp"):
     _check_elementwise_shapes(name, xs)
@@ -343,6 +401,17 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
     return gather(xs[0], xs[1], attrs)
   if name == "scatter":
     return scatter(xs[0], xs[1], xs[2], attrs, attrs["gg.reduction"])
+  if name == "chlo.top_k":  # two results: the values, or (an int type) their positions
+    values, positions = top_k(xs[0], attrs["k"])
+    return positions if result_type.dtype.startswith(("i", "ui")) else values
+  if name == "gg.tile_gather":
+    if coords is None:
+      raise NotImplementedError("reference: gg.tile_gather needs the rank's coordinates")
+    return tile_gather(xs[0], xs[1], attrs, coords)
+  if name == "gg.tile_scatter":
+    if coords is None:
+      raise NotImplementedError("reference: gg.tile_scatter needs the rank's coordinates")
+    return tile_scatter(xs[0], xs[1], xs[2], attrs, coords)
   if name == "iota":
     return iota(result_type.shape, attrs["iota_dimension"], result_type.dtype)
   raise NotImplementedError(f"reference: op {name}")

@@ -67,6 +67,7 @@ class Step:
   result_type: ir.TensorType
   layout: Layout
   lemma: str
+  name: Optional[str] = None  # the local op's, if not the sequential op's (``LOCAL_OP``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -619,6 +620,116 @@ def _gather(op: SeqOp, ls: Sequence[Layout]):
          Layout(tuple(dims), a.partial, a.partial_kind, a.scale))
 
 
+# A lemma whose local op is not the sequential op's own names it under this key.
+LOCAL_OP = "gg.local_op"
+
+
+def _gather_table_tiles(op: SeqOp, ls: Sequence[Layout]):
+  """gather(concat_r(a_r, k), i) = sum_r tile_gather(a_r, i) for the one dim k
+  the indices pick a row along: rank r looks each index up in its own rows
+  ``[r*n, r*n + n)`` and gives zeros for rows another rank holds (Megatron's
+  vocab-parallel embedding, and XLA's partitioning of a gather from a table
+  split by rows).  ``gg.tile_gather`` clamps each index to the whole table
+  first, as the sequential gather does (``reference.tile_gather``).  Each
+  index row is then in exactly one rank's tile, so the sum over the axis
+  rebuilds the row.  The indices must be the same on every rank of that axis;
+  the table's other tilings, sums and scale pass through as in
+  ``gather-split-rows-or-whole-slices``."""
+  a, i = ls
+  dn = dimension_numbers(op.attrs["dimension_numbers"])
+  start_map, sizes = dn.get("start_index_map", ()), op.attrs["slice_sizes"]
+  ivd = dn["index_vector_dim"]
+  index_shape = op.operand_types[1].shape
+  if dn.get("operand_batching_dims") or len(start_map) != 1 or \
+      (ivd < len(index_shape) and index_shape[ivd] != 1) or not _clean_indices(i, ivd):
+    return
+  (k,) = start_map
+  tiling = a.dims[k]
+  if not tiling or any(axis_shift(x) for x in tiling) or sizes[k] != 1 or (
+      a.partial and a.partial_kind != "sum"):
+    return
+  if any(axis_base(b) in tiling for axes in i.dims for b in axes):
+    return  # each rank must look up the same indices (no valid result layout else)
+  offset_dims, collapsed = dn.get("offset_dims", ()), dn.get("collapsed_slice_dims", ())
+  window = [d for d in range(a.rank) if d not in collapsed]
+  out_rank = op.result_type.rank
+  batch_out = [d for d in range(out_rank) if d not in offset_dims]
+  dims: list[tuple] = [()] * out_rank
+  for r, d in zip(_index_batch_dims(i.rank, ivd), batch_out):
+    dims[d] = i.dims[r]
+  for j, axes in enumerate(a.dims):
+    if axes and j != k:
+      if j in collapsed or sizes[j] != op.operand_types[0].shape[j]:
+        return
+      dims[offset_dims[window.index(j)]] = axes
+  local = a.local_shape(op.operand_types[0].shape, op.mesh)
+  if local is None:
+    return
+  local_sizes = tuple(local[j] if a.dims[j] and j != k else n for j, n in enumerate(sizes))
+  attrs = dict(op.attrs, slice_sizes=local_sizes)
+  attrs.update({LOCAL_OP: "gg.tile_gather",
+                "gg.tiles": tuple((x, op.mesh.axis_size(x)) for x in tiling)})
+  yield attrs, Layout(tuple(dims), tuple(sorted(set(a.partial) | set(tiling))), "sum", a.scale)
+
+
+def _top_k(op: SeqOp, ls: Sequence[Layout]):
+  """top_k(concat(a_r, j)) = concat(top_k(a_r), j) for any dim j but the last,
+  which top_k picks along (both results: the values and their positions).  A
+  sum over ranks, or a scale (a negative one reverses the order), does not
+  commute with picking the largest."""
+  (a,) = ls
+  if a.rank == 0 or a.dims[-1] or a.partial or not scales_equal(a.scale, 1.0):
+    return
+  yield {"k": op.attrs["k"]}, Layout(a.dims)
+
+
+def _scatter_into_table_tiles(op: SeqOp, ls: Sequence[Layout]):
+  """scatter_add(concat_r(b_r, k), i, u) = concat_r(tile_scatter(b_r, i, u), k)
+  for the one dim k the indices pick a row along: rank r adds the rows whose
+  index falls in its own rows ``[r*n, r*n + n)`` (the gradient of
+  ``gather-from-table-tiles``).  Each index in the table is in exactly one
+  tile, and one beyond it is skipped by both.  The indices and updates must be
+  the same on every rank of the tiling axes; the base is split along k only.
+  Index rows split over other axes (with their updates), or updates that are
+  partial sums over them, make the result a partial sum over those axes, as in
+  ``scatter-add-split-rows``: into a zero base only."""
+  b, i, u = ls
+  dn = dimension_numbers(op.attrs["scatter_dimension_numbers"])
+  to_operand = dn.get("scatter_dims_to_operand_dims", ())
+  ivd = dn["index_vector_dim"]
+  index_shape = op.operand_types[1].shape
+  if op.attrs.get("gg.reduction") != "sum" or dn.get("input_batching_dims") or \
+      len(to_operand) != 1 or (ivd < len(index_shape) and index_shape[ivd] != 1) or \
+      not _clean_indices(i, ivd):
+    return
+  (k,) = to_operand
+  tiling = b.dims[k]
+  inserted, window_dims = dn.get("inserted_window_dims", ()), dn.get("update_window_dims", ())
+  covered = [d for d in range(b.rank) if d not in inserted]
+  if k in covered and op.operand_types[2].shape[window_dims[covered.index(k)]] != 1:
+    return  # a window of more than one row may straddle two tiles
+  if not tiling or any(axis_shift(x) for x in tiling) or b.partial or \
+      any(axes for d, axes in enumerate(b.dims) if d != k) or \
+      any(u.dims[w] for w in window_dims) or (u.partial and u.partial_kind != "sum") or \
+      not scales_equal(b.scale, u.scale):
+    return
+  rows = [d for d in range(u.rank) if d not in window_dims]
+  split: list[str] = []
+  for r, d in zip(_index_batch_dims(i.rank, ivd), rows):
+    if i.dims[r] != u.dims[d]:
+      return  # each rank must hold its rows' indices with their updates
+    split += list(i.dims[r])
+  if len(split) != len(set(split)) or any(axis_shift(x) for x in split):
+    return  # diagonal blocks, or rotated ones: not every row once
+  partial = tuple(sorted(set(split) | set(u.partial)))
+  if set(partial) & set(tiling) or (partial and op.attrs.get("gg.base_value") != 0.0):
+    return  # every rank of the tiling axes adds the same rows (is_valid says so too); a base once
+  attrs = {k2: v for k2, v in op.attrs.items() if k2 not in ("gg.reduction", "gg.base_value")}
+  attrs.update({LOCAL_OP: "gg.tile_scatter",
+                "gg.tiles": tuple((x, op.mesh.axis_size(x)) for x in tiling)})
+  yield attrs, Layout(b.dims, partial, "sum", b.scale)
+
+
 def _scatter_add(op: SeqOp, ls: Sequence[Layout]):
   """scatter-add(0, concat(i_r, k), concat(u_r, k')) = sum_r scatter-add(0,
   i_r, u_r): each index row adds its window once, on the one rank that holds
@@ -723,9 +834,17 @@ LEMMAS: tuple[Lemma, ...] = (
     Lemma("gather-split-rows-or-whole-slices", frozenset({"gather"}),
           "gather(a, concat(i_r,k)) = concat(gather(a, i_r),k'); gather(concat(a_r,j), i) = "
           "concat(gather(a_r, i),j') if slices take dim j whole", _gather),
+    Lemma("gather-from-table-tiles", frozenset({"gather"}),
+          "gather(concat_r(a_r,k), i) = sum_r tile_gather(a_r, i): each rank looks up "
+          "the rows it holds, zeros for the others", _gather_table_tiles),
     Lemma("scatter-add-split-rows", frozenset({"scatter"}),
           "scatter_add(0, concat(i_r,k), concat(u_r,k')) = sum_r scatter_add(0, i_r, u_r); "
           "windows covering dim j whole keep its tiling", _scatter_add),
+    Lemma("top-k-along-untiled-last-dim", frozenset({"chlo.top_k"}),
+          "top_k(concat(a_r,j)) = concat(top_k(a_r),j) for j not the last dim", _top_k),
+    Lemma("scatter-add-into-table-tiles", frozenset({"scatter"}),
+          "scatter_add(concat_r(b_r,k), i, u) = concat_r(tile_scatter(b_r, i, u), k): each "
+          "rank adds the rows it holds", _scatter_into_table_tiles),
     Lemma("pad-into-one-tile", frozenset({"pad"}),
           "pad(x, 0) = concat_r(pad(x_r, 0) into tile-sized room) if x_r is x at the ranks "
           "holding x's tile and 0 at the others", _pad_into_one_tile, reads_pins=True),
@@ -769,7 +888,10 @@ def apply_lemmas(op: SeqOp, layouts: Sequence[Layout]) -> Iterator[Step]:
         continue
       t = _local_type(op, layout)
       if t is not None:
-        yield Step(attrs, t, layout, lemma.name)
+        local_name = attrs.get(LOCAL_OP)
+        if local_name is not None:
+          attrs = {k: v for k, v in attrs.items() if k != LOCAL_OP}
+        yield Step(attrs, t, layout, lemma.name, local_name)
 
 
 # Operand groups that, all zero, make the op's result zero whatever the other

@@ -204,7 +204,8 @@ def check_case(case: Case) -> set[str]:
     results = {}
     for coord in np.ndindex(*[n for _, n in mesh.axes]):
       args = [loc[coord] for loc in locals_]
-      r = reference.evaluate(op.name, local_attrs(op, step.attrs), args, step.result_type)
+      r = reference.evaluate(step.name or op.name, local_attrs(op, step.attrs), args,
+                             step.result_type, coords=dict(zip(mesh.axis_names, coord)))
       assert np.shape(r) == step.result_type.shape, what
       results[coord] = r
     try:
@@ -720,17 +721,149 @@ def gather(draw, mesh, seed):
   rows = draw_layout(draw, mesh, draw(st.integers(1, 2)), partial=False, scales=(1.0,))
   rows_shape = draw_shape(draw, mesh, rows)
   i, idx, vector_dim = _with_vector_dim(draw, mesh, rows, rows_shape, len(indexed), rng)
+  return _gather_case(draw, mesh, seed, (x, a), (idx, i), len(rows_shape), vector_dim,
+                      tuple(indexed), tuple(collapsed), tuple(sizes))
+
+
+def _gather_case(draw, mesh, seed, operand, indices, n_rows, vector_dim, indexed, collapsed,
+                 sizes) -> Case:
+  """The gather of (operand, its layout) at (indices, theirs), its offset dims
+  drawn among the result's."""
+  (x, a), (idx, i) = operand, indices
   n_window = x.ndim - len(collapsed)
-  out_rank = len(rows_shape) + n_window
+  out_rank = n_rows + n_window
   offset_dims = tuple(sorted(draw(st.lists(st.integers(0, out_rank - 1), min_size=n_window,
                                            max_size=n_window, unique=True))))
   attrs = {"dimension_numbers": _dims_text(
-      "gather", offset_dims=offset_dims, collapsed_slice_dims=tuple(collapsed),
-      start_index_map=tuple(indexed), index_vector_dim=vector_dim),
-      "slice_sizes": tuple(sizes), "indices_are_sorted": False}
+      "gather", offset_dims=offset_dims, collapsed_slice_dims=collapsed,
+      start_index_map=indexed, index_vector_dim=vector_dim),
+      "slice_sizes": sizes, "indices_are_sorted": False}
   out = reference.gather(x, idx, attrs).shape
   return Case(seq_op("gather", attrs, [x, idx], out, mesh, operand_dtypes=[F64, "i32"]),
               [a, i], [x, idx], seed)
+
+
+@st.composite
+def gather_from_table_tiles(draw, mesh, seed):
+  """Rows of a table split by rows over one axis (the dim the indices pick
+  along; sometimes split over two axes, or rotated, which the lemma must
+  refuse), other dims tiled, partial or scaled like ``gather``'s operand,
+  at index rows split over other axes (sometimes over the table's axis too:
+  refused) with values up to 3 beyond either end of the table (the gather
+  clamps them)."""
+  rng = np.random.default_rng(seed)
+  rank = draw(st.integers(1, 3))
+  a = nearby(draw, mesh, draw_layout(draw, mesh, rank, kinds=("sum", "max")), p_keep=0.85)
+  big = [x for x, n in mesh.axes if n > 1]
+  k = draw(st.integers(0, rank - 1))
+  if big and draw(st.integers(0, 5)):
+    x = draw(st.sampled_from(big))
+    others = [tuple(b for b in axes if axis_base(b) != x) for axes in a.dims]
+    turn = draw(st.integers(0, 9)) == 0
+    others[k] = (f"{x}+1",) if turn else (x,)
+    partial = tuple(b for b in a.partial if b != x)
+    spare = [b for b in big if b != x and all(axis_base(c) != b for axes in others
+                                                 for c in axes)]
+    if spare and draw(st.integers(0, 3)) == 0:  # a sum or a maximum over another axis
+      partial = (spare[0],)
+      a = a.with_(partial_kind=draw(st.sampled_from(("sum", "max"))))
+    a = a.with_(dims=tuple(others), partial=partial)
+  table = random_values(rng, draw_shape(draw, mesh, a))
+  sizes = [1 if d == k else (n if draw(st.integers(0, 7)) else draw(st.integers(1, n)))
+           for d, n in enumerate(table.shape)]
+  collapsed = [k] if draw(st.booleans()) else []
+  rows = draw_layout(draw, mesh, draw(st.integers(1, 2)), partial=False, scales=(1.0,),
+                     rotations=draw(st.integers(0, 3)) == 0)
+  if draw(st.integers(0, 4)):  # mostly not over the table's rows or sums
+    taken = set(a.dims[k]) | set(a.partial)
+    rows = rows.with_(dims=tuple(tuple(b for b in axes if b not in taken)
+                                 for axes in rows.dims))
+  rows_shape = draw_shape(draw, mesh, rows)
+  i, idx, vector_dim = _with_vector_dim(draw, mesh, rows, rows_shape, 1, rng)
+  idx = rng.integers(-3, table.shape[k] + 3, idx.shape).astype(np.float64)
+  return _gather_case(draw, mesh, seed, (table, a), (idx, i), len(rows_shape), vector_dim,
+                      (k,), tuple(collapsed), tuple(sizes))
+
+
+@st.composite
+def top_k(draw, mesh, seed):
+  """The k largest along the last dim, values or positions, of an operand
+  tiled along the other dims (sometimes the last, partial or scaled: refused);
+  values from a few levels, so ties occur."""
+  rng = np.random.default_rng(seed)
+  rank = draw(st.integers(1, 3))
+  a = nearby(draw, mesh, Layout(draw_layout(draw, mesh, rank, partial=False,
+                                            rotations=False).dims), p_keep=0.6)
+  big = [x for x, n in mesh.axes if n > 1 and x not in a.split_axes()]
+  if draw(st.integers(0, 3)):
+    a = a.with_(dims=a.dims[:-1] + ((),))
+  elif big:  # the last dim tiled: refused
+    a = a.with_(dims=a.dims[:-1] + (a.dims[-1] + (big[0],),))
+  shape = draw_shape(draw, mesh, a)
+  x = rng.integers(-3, 4, shape).astype(np.float64)
+  n = tiles(mesh, a.dims[-1])  # (k a multiple of the tiles: a local shape fits)
+  k = n * draw(st.integers(1, shape[-1] // n))
+  positions = draw(st.booleans())
+  out = shape[:-1] + (k,)
+  op = seq_op("chlo.top_k", {"k": k}, [x], out, mesh, result_dtype="i32" if positions else F64)
+  return Case(op, [a], [x], seed)
+
+
+@st.composite
+def scatter_into_table_tiles(draw, mesh, seed):
+  """One-row windows of updates added into a base split by rows over one or
+  two axes along the dim the indices pick (the rest whole), at indices up to 3
+  beyond either end, whole or split over another axis with their updates (or
+  the updates partial over one), into zeros or not; nearby layouts (indices
+  and updates split unlike, other dims of the base tiled, partial or scaled
+  bases, wider windows) the lemma must refuse or get right."""
+  rng = np.random.default_rng(seed)
+  rank = draw(st.integers(1, 3))
+  k = draw(st.integers(0, rank - 1))
+  big = [x for x, n in mesh.axes if n > 1]
+  tiling = tuple(draw(st.lists(st.sampled_from(big), min_size=1, max_size=2, unique=True))
+                 ) if big else ()
+  dims = [tiling if d == k else () for d in range(rank)]
+  free = [x for x in big if x not in tiling]
+  if free and rank > 1 and draw(st.integers(0, 4)) == 0:
+    dims[draw(st.sampled_from([d for d in range(rank) if d != k]))] = (free[0],)
+  b = nearby(draw, mesh, Layout(tuple(dims)), 0.8)
+  base_shape = list(draw_shape(draw, mesh, b))
+  inserted = (k,) if draw(st.booleans()) else ()
+  covered = [d for d in range(rank) if d not in inserted]
+  n_rows = draw(st.integers(1, 2))
+  # Sometimes the first row dim split over a free axis (data parallel ids, with
+  # their updates), sometimes the updates a partial sum over one.
+  row_axes = (draw(st.sampled_from(free)),) if free and draw(st.integers(0, 2)) == 0 else ()
+  summed = (draw(st.sampled_from(free)),) if free and draw(st.integers(0, 3)) == 0 else ()
+  rows_shape = [draw_size(draw, tiles(mesh, row_axes)) if r == 0 else draw(st.integers(1, 4))
+                for r in range(n_rows)]
+  window = [1 if d == k and draw(st.integers(0, 4)) else base_shape[d] for d in covered]
+  u_rank = n_rows + len(covered)
+  window_dims = tuple(sorted(draw(st.lists(st.integers(0, u_rank - 1), min_size=len(covered),
+                                           max_size=len(covered), unique=True))))
+  ushape, rows_iter = [0] * u_rank, iter(rows_shape)
+  for d in range(u_rank):
+    ushape[d] = window[window_dims.index(d)] if d in window_dims else next(rows_iter)
+  updates = random_values(rng, ushape)
+  rows = Layout((row_axes,) + ((),) * (n_rows - 1))
+  i, idx, vector_dim = _with_vector_dim(draw, mesh, rows, rows_shape, 1, rng)
+  idx = rng.integers(-3, base_shape[k] + 3, idx.shape).astype(np.float64)
+  first_row = [d for d in range(u_rank) if d not in window_dims][0]
+  u_dims = tuple(row_axes if d == first_row else () for d in range(u_rank))
+  u = nearby(draw, mesh, Layout(u_dims, tuple(a for a in summed if a not in row_axes)), 0.85)
+  zero = draw(st.booleans())
+  base = np.zeros(base_shape) if zero else random_values(rng, base_shape)
+  attrs = {"scatter_dimension_numbers": _dims_text(
+      "scatter", update_window_dims=window_dims, inserted_window_dims=inserted,
+      scatter_dims_to_operand_dims=(k,), index_vector_dim=vector_dim),
+      "indices_are_sorted": False, "unique_indices": False,
+      "gg.reduction": draw(st.sampled_from(["sum"] * 6 + ["max"]))}
+  if zero:
+    attrs["gg.base_value"] = 0.0
+  op = seq_op("scatter", attrs, [base, idx, updates], base_shape, mesh,
+              operand_dtypes=[F64, "i32", F64])
+  return Case(op, [b, i, u], [base, idx, updates], seed)
 
 
 @st.composite
@@ -807,7 +940,10 @@ GENERATORS = {
     "pad-into-one-tile": pad_into_one_tile,
     "reduce-window-untiled-dims": reduce_window,
     "gather-split-rows-or-whole-slices": gather,
+    "gather-from-table-tiles": gather_from_table_tiles,
     "scatter-add-split-rows": scatter,
+    "scatter-add-into-table-tiles": scatter_into_table_tiles,
+    "top-k-along-untiled-last-dim": top_k,
 }
 
 
@@ -1054,6 +1190,22 @@ def test_scatter_refuses_a_nonzero_base_under_split_rows():
                           **{"gg.base_value": 0.0})
   assert [s.layout for s in apply_lemmas(zeros, split)
           if s.lemma == "scatter-add-split-rows"] == [Layout(((), ()), ("x",))]
+
+
+def test_table_tiles_refuse_a_table_of_partial_maxima():
+  """Rank r's rows of a table held as maxima over "y": each rank's lookup gives
+  its piece, and summed over y the pieces are not their maximum."""
+  mesh = ir.Mesh((("x", 2), ("y", 2)))
+  take = {"dimension_numbers": _dims_text("gather", offset_dims=(1,), collapsed_slice_dims=(0,),
+                                          start_index_map=(0,), index_vector_dim=1),
+          "slice_sizes": (1, 3), "indices_are_sorted": False}
+  op = seq_op("gather", take, [np.zeros((4, 3)), np.zeros((5, 1))], (5, 3), mesh,
+              operand_dtypes=[F64, "i32"])
+  ids = Layout.replicated(2)
+  for kind, yields in (("max", False), ("sum", True)):
+    table = Layout((("x",), ()), ("y",), kind)
+    steps = [s for s in apply_lemmas(op, [table, ids]) if s.lemma == "gather-from-table-tiles"]
+    assert bool(steps) == yields, kind
 
 
 def test_reference_gather_and_scatter_agree_with_jax():
