@@ -84,6 +84,9 @@ class Interpreter:
       if kind is None:
         raise Unsupported("reducer")
       attrs = dict(attrs, **{"gg.reduction": kind})
+    elif name == "chlo.top_k":
+      per_rank = [reference.top_k(a, attrs["k"]) for a in args[0]]
+      return [[v for v, _ in per_rank], [i for _, i in per_rank]]
     elif op.regions or len(op.results) != 1:
       raise Unsupported(name)
     t = op.results[0].type

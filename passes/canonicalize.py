@@ -17,6 +17,7 @@ before anything is compared:
   iota of rank > 1 along k                -> broadcast(iota along k only)
   x + 0                                   -> x
   broadcast(x) + broadcast(scalar), ints  -> broadcast(x + broadcast(scalar))
+  clamp(a, broadcast(x), b), units only   -> broadcast(clamp(a', x, b'))
   select(p, true, false)                  -> p
   transpose moving only unit dims         -> reshape
   transpose(all_to_all(x, k -> k), p)     -> reshape(transpose(all_to_all(x, k -> c), p))
@@ -31,6 +32,7 @@ Each is an identity of the ops' semantics (tested in tests/test_canonicalize.py)
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 from graphguard_hlo import ir
@@ -283,6 +285,38 @@ def _offset_before_broadcast(module, graph, op) -> Optional[ir.Value]:
   return None
 
 
+def _clamp_before_unit_broadcast(module, graph, op) -> Optional[ir.Value]:
+  """clamp(broadcast(a), broadcast(x, d), broadcast(b)) -> broadcast(clamp(a', x, b'), d)
+  for one-element a, b and a broadcast d that only inserts unit dims.
+
+  jax clamps a gather's indices after adding the index vector's unit dim (the
+  gradient of ``take(..., mode="clip")``); a hand-written ``jnp.clip`` clamps
+  the ids before.  Clamping first leaves one clamp of the ids in both."""
+  if op.name != "clamp" or len(op.operands) != 3:
+    return None
+  lo, x, hi = (v.producer for v in op.operands)
+  if x is None or x.name != "broadcast_in_dim" or \
+      x.operands[0].type.rank == 0 or \
+      math.prod(x.operands[0].shape) != math.prod(op.results[0].shape) or \
+      any(b is None or b.name != "broadcast_in_dim" or math.prod(b.operands[0].shape) != 1
+          for b in (lo, hi)):
+    return None
+  inner = x.operands[0]
+  bounds = []
+  for b in (lo, hi):
+    scalar = b.operands[0]
+    if scalar.type.rank:
+      scalar = _simplified_and_placed(module, graph, _fresh(
+          module, "reshape", [scalar], {}, (), scalar.type.dtype, op.location))
+    bounds.append(_simplified_and_placed(module, graph, _fresh(
+        module, "broadcast_in_dim", [scalar], {"broadcast_dimensions": ()}, inner.shape,
+        inner.type.dtype, op.location)))
+  clamped = _simplified_and_placed(module, graph, _fresh(
+      module, "clamp", [bounds[0], inner, bounds[1]], {}, inner.shape, inner.type.dtype,
+      op.location))
+  return _emit(module, graph, op, "broadcast_in_dim", [clamped], dict(x.attrs))
+
+
 def _select_of_true_false(module, graph, op) -> Optional[ir.Value]:
   """select(p, true, false) -> p: ``jnp.tril(ones)`` is the mask itself."""
   if op.name != "select" or op.results[0].type.dtype not in ("i1", "pred"):
@@ -385,6 +419,7 @@ def _all_to_all_of_split_reshape(module, graph, op) -> Optional[ir.Value]:
 
 
 _IDENTITY = {"sum": 0.0, "max": -float("inf"), "min": float("inf"), "mul": 1.0}
+_BOOL_IDENTITY = {"max": 0.0, "min": 1.0}  # or, and (XLA's any over an index vector)
 
 
 def _reduce_over_unit_dims(module, graph, op) -> Optional[ir.Value]:
@@ -403,7 +438,8 @@ def _reduce_over_unit_dims(module, graph, op) -> Optional[ir.Value]:
     return None
   kind = reducer_kind(op.regions[0])
   value = splat_value(init)
-  if kind is None or value is None or value != _IDENTITY[kind]:
+  identity = _BOOL_IDENTITY.get(kind) if x.type.dtype in ("pred", "i1") else _IDENTITY.get(kind)
+  if value is None or value != identity:
     return None
   if x.type == op.results[0].type:
     return x
@@ -416,7 +452,7 @@ PATTERNS: tuple[Pattern, ...] = (
     _transpose_of_unit_dims,
     _transpose_through_all_reduce,
     _broadcast_expanding_units,
-    _iota_as_broadcast, _add_zero, _offset_before_broadcast,
+    _iota_as_broadcast, _add_zero, _offset_before_broadcast, _clamp_before_unit_broadcast,
     _select_of_true_false,
     _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims)
 

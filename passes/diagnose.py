@@ -369,9 +369,28 @@ def _indexed_tile_words(inf, op: ir.Op) -> Optional[str]:
     split = [(d, r.layout.dims[d]) for d in indexed if d < r.layout.rank and r.layout.dims[d]]
     if split:
       d, axes = split[0]
+      masked = _masked_lookup_words(inf, r.cls) if op.name == "gather" else None
+      if masked:
+        return (f"its indices pick along dim {d}, which each rank holds only a tile of "
+                f"(split over {_axes(axes)}); the per-device program looks its tile up "
+                f"masked, but not as a lookup in a table split by rows: {masked}")
       return (f"its indices pick along dim {d}, which each rank holds only a tile of "
               f"(split over {_axes(axes)}): every rank indexes its tile as if it were the "
               f"whole dim (missing all-gather?)")
+  return None
+
+
+def _masked_lookup_words(inf, table_cls: int) -> Optional[str]:
+  """Where a masked per-device lookup of this table tile (select(mask, 0,
+  gather(tile, j))) departs from ``gg.tile_gather`` (tile_lookup.py)."""
+  from graphguard_hlo.passes.tile_lookup import explain_tile_gather
+  for g in inf.users.get(table_cls, ()):
+    if g.name != "gather" or not g.results:
+      continue
+    for select in inf.users.get(inf.deg.of(g.results[0]), ()):
+      words = explain_tile_gather(select, inf.deg, inf.arith, inf.mesh)
+      if words:
+        return words
   return None
 
 

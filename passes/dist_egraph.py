@@ -4,8 +4,8 @@ Every op of the per-device program becomes an e-node (``terms.op_head``), so
 "does the distributed program compute f(x, y)?" is one hash-cons lookup.  A
 few declarative rules make that lookup robust to spelling: copies and no-op
 reshapes are their operand, broadcasts of splats are splats, a select of one
-value either way is that value, so is a max with -inf (min with +inf), and
-commutative ops match either operand order.  Constants are splats by value, so
+value either way is that value, so is a max with -inf (min with +inf), a min
+of a max is a clamp, and commutative ops match either operand order.  Constants are splats by value, so
 a lemma that proposes ``add(x, splat 1.0)`` finds XLA's ``add(x, broadcast(constant 1))``.
 """
 
@@ -41,6 +41,10 @@ def _splat_broadcast(eg: EGraph, b: dict, node: ENode) -> Optional[ENode]:
   return None
 
 
+def _clamp(eg: EGraph, b: dict, node: ENode) -> ENode:
+  return ENode(terms.op_head("clamp", {}, node.head[2]), (b["?lo"], b["?x"], b["?hi"]))
+
+
 def _y_is(value: float):
   """A rule condition: ``?y`` is a splat of ``value``."""
   return lambda eg, b, node: _splat_of(eg, b["?y"]) == value
@@ -60,6 +64,8 @@ NORMALIZATION_RULES = [
     # jnp.max(..., initial=-inf) maxes with -inf (exact: XLA's max propagates NaN).
     Rule("maximum-with-minus-inf", ("maximum", "?x", "?y"), "?x", when=_y_is(-math.inf)),
     Rule("minimum-with-plus-inf", ("minimum", "?x", "?y"), "?x", when=_y_is(math.inf)),
+    # jnp.clip spells a clamp so (StableHLO defines clamp as exactly this).
+    Rule("clamp-is-max-then-min", ("minimum", ("maximum", "?x", "?lo"), "?hi"), _clamp),
 ] + [Rule(f"{op}-commutes", (op, "?x", "?y"), _swap) for op in sorted(terms.COMMUTATIVE)]
 
 
@@ -128,6 +134,7 @@ class DistEGraph:
       self._bind(p, self.eg.add(ENode(head)))
     for op in graph.ops:
       self._add_op(op)
+    self._splat_types: Optional[dict] = None
     self.iterations = 0
     while True:  # normalize, fold constants, until neither finds anything new
       self.iterations += saturate(self.eg, NORMALIZATION_RULES)
@@ -137,6 +144,11 @@ class DistEGraph:
   def _bind(self, v: ir.Value, c: ClassId) -> None:
     self.class_of[v.id] = c
     self._values.setdefault(c, []).append(v)
+
+  def add_op(self, op: ir.Op) -> None:
+    """An op written into the per-device program after the e-graph was built."""
+    self._add_op(op)
+    self._splat_types = None
 
   def _add_op(self, op: ir.Op) -> None:
     children = tuple(self.class_of[v.id] for v in op.operands if v.id in self.class_of)
@@ -168,6 +180,16 @@ class DistEGraph:
   def splat(self, c: ClassId) -> Optional[float]:
     """The constant every element of class ``c`` holds, if it is a splat."""
     return _splat_of(self.eg, c)
+
+  def splat_types(self, value: float, dtype: str) -> list[ir.TensorType]:
+    """The types of the splats of ``value`` the e-graph holds."""
+    if self._splat_types is None:
+      self._splat_types = {}
+      for c in self.eg.classes():
+        for n in self.eg.nodes(c):
+          if n.op == "splat":
+            self._splat_types.setdefault((n.head[1], n.head[2].dtype), []).append(n.head[2])
+    return self._splat_types.get((terms.canonical_float(value), dtype), [])
 
   def lookup_splat(self, value: float, type: ir.TensorType) -> Optional[ClassId]:
     return self.eg.lookup(ENode(terms.splat_head(value, type)))

@@ -32,11 +32,12 @@ from graphguard_hlo.passes.unit_dims import only_unit_dims_change, squeezed_vari
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.dist_program import DistProgram
-from graphguard_hlo.passes.layout import Layout
+from graphguard_hlo.passes.layout import Layout, tilings_with_local_shape
 from graphguard_hlo.ir import axis_base, axis_shift
 from graphguard_hlo.passes.lemmas import (ELEMENTWISE, SeqOp, Step, apply_lemmas, dot_tiling,
                                           is_modelled)
 from graphguard_hlo.passes.rank_arith import RankArithmetic
+from graphguard_hlo.passes.tile_lookup import recognize_tile_lookups
 from graphguard_hlo.passes.transfer import Transfer
 
 MAX_RELATIONS_PER_VALUE = 24
@@ -133,6 +134,7 @@ class RelationInference:
     self.mesh = dist.mesh
     self.deg = DistEGraph(dist.graph, dist.mesh, dist.param_splats)
     self.arith = RankArithmetic(self.mesh)
+    recognize_tile_lookups(dist.module, dist.graph, self.deg, self.arith, self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
     self.users = self.transfer.users
     self.relations: dict[int, list[Relation]] = {}
@@ -446,7 +448,8 @@ class RelationInference:
     for v, (_, layout) in zip(op.operands, combo):
       local = layout.local_shape(v.shape, self.mesh)
       operand_types.append(ir.TensorType(local or v.shape, v.type.dtype))
-    canon = canonical_local_op(op.name, step.attrs, operand_types, step.result_type)
+    canon = canonical_local_op(step.name or op.name, step.attrs, operand_types,
+                               step.result_type)
     if canon is None:
       return children[0]
     name, attrs = canon
@@ -529,9 +532,10 @@ class RelationInference:
 
   def _operand_combinations(self, op: ir.Op):
     choices = []
-    for v in op.operands:
+    for k, v in enumerate(op.operands):
       if v.id in self.splats:
-        choices.append([("splat", None)])
+        choices.append([("splat", None)] + ([("splat", l) for l in self._splat_tilings(v)]
+                                             if op.name == "scatter" and k == 0 else []))
       else:
         rels = self.whole_relations(v)
         if not rels:
@@ -540,12 +544,25 @@ class RelationInference:
     for combo in itertools.islice(itertools.product(*choices), MAX_COMBINATIONS):
       yield self._adopt_splat_layouts(op, list(combo))
 
+  def _splat_tilings(self, v: ir.Value) -> list[Layout]:
+    """The tilings of splat ``v`` whose tile the per-device program holds as a
+    splat (a scatter's base: zeros of a table split by rows)."""
+    out = []
+    for t in self.deg.splat_types(self.splats[v.id], v.type.dtype):
+      if t.shape != v.shape:
+        out.extend(tilings_with_local_shape(v.shape, t.shape, self.mesh, limit=4))
+    return out
+
   def _adopt_splat_layouts(self, op: ir.Op, combo):
-    """A splat tiles any way: give it the tiling of its non-splat neighbours."""
+    """A splat tiles any way: give it the tiling of its non-splat neighbours
+    (unless a tiling was chosen for it)."""
     non_splat = [l for r, l in combo if r != "splat"]
     model = non_splat[0] if non_splat else None
     out = []
     for (r, l), v in zip(combo, op.operands):
+      if r == "splat" and l is not None:
+        out.append((r, l))
+        continue
       if r == "splat":
         if op.name in ELEMENTWISE and model is not None and v.type.rank == model.rank:
           l = Layout(model.dims)

@@ -201,6 +201,43 @@ def test_sum_over_unit_dims_with_another_init_is_kept():
   assert canonicalize_graph(m, g) == 0
 
 
+@pytest.mark.parametrize("init, folds", [(False, True), (True, False)])
+def test_any_over_a_unit_index_vector_is_a_reshape(init, folds):
+  """XLA's vocab-parallel mask: or-reduce over the index vector's one element
+  (init false, the or's identity; true is not)."""
+  m, g = _graph([_t(2, 8, 1, dtype="pred")])
+  r = ir.Graph("or")
+  a, b = m.new_value(_t(dtype="pred"), name="a"), m.new_value(_t(dtype="pred"), name="b")
+  r.params = [a, b]
+  r.results = [m.add_op(r, "or", [a, b], [_t(dtype="pred")]).result]
+  start = _op(m, g, "constant", [], _t(dtype="pred"), value=np.array(init))
+  red = m.add_op(g, "reduce", [g.params[0], start], [_t(2, 8, dtype="pred")],
+                 {"dimensions": (2,)}, [r])
+  red.attrs["gg.reduction"] = "max"
+  g.results = [red.result]
+  if folds:
+    _check(m, g, [np.arange(16).reshape(2, 8, 1) % 3 == 0], ["reshape"])
+  else:
+    assert canonicalize_graph(m, g) == 0
+
+
+def test_clamp_of_a_unit_broadcast_clamps_first():
+  """jax clamps a gather's indices [2, 8, 1] (take's gradient); clipping the
+  ids [2, 8] first is the same clamp, broadcast."""
+  m, g = _graph([_t(2, 8, dtype="i32")])
+  lo = _op(m, g, "constant", [], _t(dtype="i32"), value=np.array(0, np.int32))
+  hi = _op(m, g, "constant", [], _t(1, dtype="i32"), value=np.array([15], np.int32))
+  wide = _t(2, 8, 1, dtype="i32")
+  ids = _op(m, g, "broadcast_in_dim", [g.params[0]], wide, broadcast_dimensions=(0, 1))
+  bounds = [_op(m, g, "broadcast_in_dim", [c], wide, broadcast_dimensions=d)
+            for c, d in ((lo, ()), (hi, (2,)))]
+  g.results = [_op(m, g, "clamp", [bounds[0], ids, bounds[1]], wide)]
+  _check(m, g, [np.arange(-4, 20, dtype=np.int32)[:16].reshape(2, 8)],
+         ["constant", "constant", "broadcast_in_dim", "reshape", "broadcast_in_dim", "clamp",
+          "broadcast_in_dim"])
+  assert g.ops[-2].results[0].shape == (2, 8) and g.ops[-2].operands[1] is g.params[0]
+
+
 def test_rank_offset_is_added_before_the_broadcast():
   """A device's mask rows: broadcast(iota) + broadcast(r * n) -> broadcast(iota + r * n)."""
   m, g = _graph([_t(dtype="i32")])

@@ -65,3 +65,22 @@ def test_identities_the_per_device_egraph_reads():
   for name, c in (("maximum", -np.inf), ("minimum", np.inf)):
     got = reference.evaluate(name, {}, [values, np.full(3, c)], _t(3))
     np.testing.assert_array_equal(got, values)
+
+
+def test_a_min_of_a_max_is_a_clamp():
+  """jnp.clip(x, a, b) = min(max(x, a), b) is clamp(a, x, b) (either operand
+  order); max(min(x, b), a), which differs where a > b, is not."""
+  i32 = ir.TensorType((4,), "i32")
+  b = Builder([i32, i32, i32])
+  x, lo, hi = b.g.params
+  clip = b.op("minimum", [b.op("maximum", [lo, x], i32), hi], i32)
+  other = b.op("maximum", [b.op("minimum", [x, hi], i32), lo], i32)
+  clamp = b.op("clamp", [lo, x, hi], i32)
+  deg = DistEGraph(b.g)
+  assert deg.of(clip) == deg.of(clamp) != deg.of(other)
+  xs, a, c = np.array([-3, 0, 5, 9]), np.array([0, 0, 4, 8]), np.array([4, 4, 4, 6])
+  np.testing.assert_array_equal(
+      reference.evaluate("clamp", {}, [a, xs, c], i32),
+      np.minimum(np.maximum(xs, a), c))
+  assert not np.array_equal(reference.evaluate("clamp", {}, [a, xs, c], i32),
+                            np.maximum(np.minimum(xs, c), a))

@@ -2351,8 +2351,13 @@ def _sort(im, g, ins, operands):
 @_handles("topk")
 def _topk(im, g, ins, operands):
   attrs = im.base_attrs(ins)
-  attrs.update({"k": im.attr_int(ins, "k"), "largest": im.attr_bool(ins, "largest")})
-  op = im.emit(g, "mhlo.topk", ins, operands, attrs, None, _collective_result_shapes(ins))
+  attrs["k"] = im.attr_int(ins, "k")
+  # The k largest is jax's lax.top_k (StableHLO spells it chlo.top_k); the
+  # k smallest has no StableHLO name of its own.
+  name = "chlo.top_k"
+  if not im.attr_bool(ins, "largest"):
+    name, attrs["largest"] = "mhlo.topk", False
+  op = im.emit(g, name, ins, operands, attrs, None, _collective_result_shapes(ins))
   return _wrap(im, g, ins, op)
 
 
