@@ -53,6 +53,8 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/tp/shard_map/gqa_wrong_heads": "reads the related operands but gives",
     "gpt2/tp_vocab/shard_map/nll_max_not_reduced": "partial max over 'tp' that is never reduced",
     "llama3/tp_vocab/shard_map/vocab_ids_not_offset": "with no rank offset",
+    "gpt2/tp_vocab_take/shard_map/vocab_ids_not_offset":
+        "at rank tp=1, index 16 looks up local row 15, not its row 0",
     "gpt2/tp/shard_map/missing_allreduce": "(missing all-reduce)",
     "llama3/tp/shard_map/missing_allreduce": "(missing all-reduce)",
     "gpt2/dp/shard_map/loss_wrong_scale": "psum where pmean belongs?",

@@ -309,6 +309,22 @@ def _fsdp_embedding_local(gather_table=True):
   return local
 
 
+def _vocab_parallel_embedding_local(first=0):
+  """The table's rows over tp (Megatron's vocab-parallel embedding): each rank
+  looks the ids up in its own rows, masked to zero where another rank holds
+  them, and the psum adds the one row.  The ids are clipped to the table
+  first, as ``take(mode="clip")`` clips them.  ``first=1`` is the bug: the
+  mask starts a row late (``ids > lo``), so no rank gives its first row."""
+  def local(ids, table):
+    n = table.shape[0]
+    ids = jnp.clip(ids.astype(jnp.int32), 0, n * lax.axis_size("tp") - 1)
+    lo = lax.axis_index("tp") * n
+    mine = (ids >= lo + first) & (ids < lo + n)
+    rows = jnp.take(table, jnp.where(mine, ids - lo, 0), axis=0, mode="clip")
+    return jnp.tanh(lax.psum(jnp.where(mine[..., None], rows, 0.0), "tp"))
+  return local
+
+
 def _gather_hidden_then_reshape(x):
   """The bug: gather along hidden, then reshape to the shape the seq gather
   would have produced.  Types check; rows come out interleaved by device."""
@@ -379,6 +395,10 @@ _PROGRAMS = {p.name: p for p in [
              ((16,), (8, 4)),
              (P("dp"), P("dp", None)),
              P("dp", None), (4,), ("dp",)),
+    _Program("vocab_parallel_embedding", embedding_seq,
+             ((16,), (8, 4)),
+             (P(), P("tp", None)),
+             P(), (4,), ("tp",)),
     _Program("sp_allgather_mlp", mlp_seq,
              ((32, 32), (32, 64), (64,), (64, 32), (32,)),
              (P("tp", None), P(None, "tp"), P("tp"), P("tp", None), P()),
@@ -451,6 +471,10 @@ def _variants() -> list[_Variant]:
       # The lookup reads a quarter of the table as if it were all of it.
       V("fsdp_embedding", _fsdp_embedding_local(gather_table=False), "table_not_gathered",
         "missing_allgather", "gather"),
+      V("vocab_parallel_embedding", _vocab_parallel_embedding_local()),
+      # No rank looks up the first of its rows (id 0 among them).
+      V("vocab_parallel_embedding", _vocab_parallel_embedding_local(first=1),
+        "first_row_masked", "tile_mask_off_by_one", "gather"),
       V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_seq)),
       # Rows reach x @ w1 permuted, so the first matmul is already wrong.
       V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_hidden_then_reshape),

@@ -64,12 +64,16 @@ class Config:
   # ``top_k`` of them.
   experts: int = 0
   top_k: int = 2
+  # How the router picks a token's experts: k rounds of arg-max masking
+  # ("argmax"), or ``lax.top_k`` on the router logits ("top_k", Mixtral's).
+  router: str = "argmax"
   # > 0: each expert takes at most this many tokens of each group (batch
   # row), first come first served; the rest are dropped (GShard capacity).
   capacity: int = 0
 
   def __post_init__(self):
     assert self.embedding in ("one_hot", "take"), self
+    assert self.router in ("argmax", "top_k"), self
     assert self.d_model % self.heads == 0, self
     assert self.heads % self.kv_heads == 0, self
     assert self.head_dim % 2 == 0, self
@@ -385,7 +389,7 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
     h = h + par.reduce_attn(attn @ w("wo"))
     m = par.gather_seq(rmsnorm(h, w("mlp_norm")))
     if cfg.experts:
-      return h + moe_mlp(m, w, par, cfg.top_k, cfg.capacity)
+      return h + moe_mlp(m, w, par, cfg.top_k, cfg.capacity, cfg.router)
     mlp = (jax.nn.silu(m @ w("w_gate")) * (m @ w("w_up"))) @ w("w_down")
     return h + par.reduce_mlp(mlp)
 
@@ -395,25 +399,30 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
   return par.combine_loss(par.token_nll(logits, labels))
 
 
-def moe_mlp(m, w, par: Parallel, top_k: int, capacity: int = 0):
+def moe_mlp(m, w, par: Parallel, top_k: int, capacity: int = 0, router: str = "argmax"):
   """Top-k Mixture of SwiGLU experts (Mixtral-style gates: the router's
   softmax over the chosen experts), GShard-style with each batch row a group
   and room for every token at every expert (nothing dropped): tokens are
   dispatched to an [experts, b, s, d] tensor by a k-hot mask, each expert runs
   on its slice, and each token sums its experts' outputs weighted by their
-  gates.  The k experts are picked by k rounds of arg-max masking.  Under
+  gates.  The k experts are picked by k rounds of arg-max masking, or by
+  ``lax.top_k`` (``router="top_k"``; ties go to the lower expert).  Under
   expert parallelism the dispatched tensor is all-to-all'd from token owners
   to expert owners and back.  With a ``capacity``, each expert's slots in a
   group are handed out in token order (a cumulative sum of the choices) and
   tokens beyond it are dropped: the dispatched tensor is [experts, b,
   capacity, d]."""
   logits = m @ w("w_router")                                     # [b, s, E]
-  chosen = jnp.zeros_like(logits)
-  left = logits
-  for _ in range(top_k):
-    pick = left == jnp.max(left, axis=-1, keepdims=True)
-    chosen = chosen + pick.astype(F32)
-    left = jnp.where(pick, -jnp.inf, left)
+  if router == "top_k":
+    _, picked = lax.top_k(logits, top_k)                         # [b, s, k]
+    chosen = jnp.sum(jax.nn.one_hot(picked, logits.shape[-1], dtype=F32), axis=-2)
+  else:
+    chosen = jnp.zeros_like(logits)
+    left = logits
+    for _ in range(top_k):
+      pick = left == jnp.max(left, axis=-1, keepdims=True)
+      chosen = chosen + pick.astype(F32)
+      left = jnp.where(pick, -jnp.inf, left)
   gates = jnp.where(chosen > 0, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)
   gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
   if capacity:

@@ -336,13 +336,25 @@ def _vocab_offset_iota(n, axis, with_offset=True):
   return ids + lax.axis_index(axis) * n if with_offset else ids
 
 
-def _vocab_parallel_embed(axis):
-  """Megatron's vocab-parallel embedding, as a one-hot lookup: each rank
-  matches the tokens against its own rows of the table (zero for a token
-  another rank holds) and the psum adds the one row that matched."""
+def _vocab_parallel_embed(axis, with_offset=True):
+  """Megatron's vocab-parallel embedding: each rank looks the tokens up in its
+  own rows of the table, zero for a token another rank holds, and the psum
+  adds the one row that matched.  As a one-hot matmul, or (``cfg.embedding ==
+  "take"``) as Megatron's masked ``take``: tokens are clipped to the table
+  first, as the sequential ``take(mode="clip")`` clips them.  The bug
+  ``with_offset=False`` masks right but looks the token id up in the rank's
+  rows unshifted (``table_r[id]``, clipped, instead of ``table_r[id - r*n]``)."""
   def embed_tokens(tokens, table, cfg):
-    onehot = (tokens[..., None] == _vocab_offset_iota(table.shape[0], axis)).astype(jnp.float32)
-    return lax.psum(onehot @ table, axis)
+    n = table.shape[0]
+    if cfg.embedding != "take":
+      onehot = (tokens[..., None] == _vocab_offset_iota(n, axis)).astype(jnp.float32)
+      return lax.psum(onehot @ table, axis)
+    ids = jnp.clip(tokens, 0, n * lax.axis_size(axis) - 1)
+    lo = lax.axis_index(axis) * n
+    mine = (ids >= lo) & (ids < lo + n)
+    local = jnp.where(mine, ids - lo if with_offset else ids, 0)
+    rows = jnp.take(table, local, axis=0, mode="clip")
+    return lax.psum(jnp.where(mine[..., None], rows, 0.0), axis)
   return embed_tokens
 
 
@@ -373,6 +385,11 @@ def _tp_vocab_par(**nll_bug):
 
 def _dp_tp_par():
   return _tp_par(combine=_pmean_of_mean("dp"))
+
+
+def _dp_tp_vocab_par():
+  """``dp_tp`` with the vocabulary split over "tp" as ``tp_vocab``'s."""
+  return dataclasses.replace(_tp_vocab_par(), combine_loss=_pmean_of_mean("dp"))
 
 
 def _no_reduce(axis):
@@ -537,6 +554,10 @@ DP_PP_TP = _Strategy("dp_pp_tp", (2, 2, 2), ("dp", "pp", "tp"), P("dp", None), _
                      lambda: _staged(_dp_tp_par()), (("stacked_params", True), ("layers", 4)),
                      layer_axis="pp")
 
+# dp x tp with the vocabulary split over "tp" (its programs look tokens up by jnp.take).
+DP_TP_VOCAB = _Strategy("dp_tp_vocab", (2, 4), ("dp", "tp"), P("dp", None),
+                        _tp_vocab_param_spec, _dp_tp_vocab_par)
+
 # Context parallelism with keys and values passed round a ring of ppermutes
 # (shard_map only: the ring is the hand-written part; under GSPMD it is ``cp``).
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
@@ -554,6 +575,11 @@ EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
 # 2 groups (batch rows) per rank.
 EP_CAPACITY = dataclasses.replace(EP, name="ep_capacity",
                                   cfg_overrides=(("batch", 8), ("experts", 4), ("capacity", 6)))
+
+
+# ... with the router's experts picked by lax.top_k.
+EP_TOP_K = dataclasses.replace(EP, name="ep_top_k",
+                               cfg_overrides=EP.cfg_overrides + (("router", "top_k"),))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -895,6 +921,13 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   if grad:
     built.append(_shard_map_grad_case("llama3", EP_CAPACITY, cfg))
     built.append(_grad_case("llama3", EP_CAPACITY, cfg))
+  # The router's experts picked by lax.top_k (Mixtral's router) instead of
+  # arg-max rounds: forward and backward, both styles.
+  built.append(_shard_map_case("llama3", EP_TOP_K, cfg, "ok", EP_TOP_K.par()))
+  built.append(_gspmd_case("llama3", EP_TOP_K, cfg))
+  if grad:
+    built.append(_shard_map_grad_case("llama3", EP_TOP_K, cfg))
+    built.append(_grad_case("llama3", EP_TOP_K, cfg))
   ep_scan = _scanned(EP)
   built.append(_shard_map_case("llama3", ep_scan, cfg, "ok", ep_scan.par()))
   built.append(_gspmd_case("llama3", ep_scan, cfg))
@@ -1005,6 +1038,30 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   if grad:
     built.append(_shard_map_grad_case("llama3", _looked_up(EP), cfg))
     built.append(_grad_case("llama3", _looked_up(EP), cfg))
+  # Megatron's vocab-parallel embedding as a masked take (shard_map), and XLA's
+  # partitioning of the take from a table split by rows (GSPMD): forward and
+  # backward (the gradient a scatter-add into each rank's rows).  The bug: the
+  # ids looked up unshifted in each rank's rows, so the lookup is the first op
+  # no rank completes.
+  vocab_take = _looked_up(_STRATEGIES["tp_vocab"])
+  dp_vocab_take = _looked_up(DP_TP_VOCAB)
+  for model in MODELS:
+    # ... and with the batch over "dp" too (2 x 4): each rank scatter-adds
+    # its own tokens' rows, summed over "dp" by the gradient's all-reduce.
+    built.append(_shard_map_case(model, dp_vocab_take, cfg, "ok", dp_vocab_take.par()))
+    built.append(_gspmd_case(model, dp_vocab_take, cfg))
+    if grad:
+      built.append(_shard_map_grad_case(model, dp_vocab_take, cfg))
+      built.append(_grad_case(model, dp_vocab_take, cfg))
+    built.append(_shard_map_case(model, vocab_take, cfg, "ok", vocab_take.par()))
+    built.append(_gspmd_case(model, vocab_take, cfg))
+    if grad:
+      built.append(_shard_map_grad_case(model, vocab_take, cfg))
+      built.append(_grad_case(model, vocab_take, cfg))
+  built.append(_shard_map_case("gpt2", vocab_take, cfg, "vocab_ids_not_offset",
+                               dataclasses.replace(vocab_take.par(), embed_tokens=(
+                                   _vocab_parallel_embed("tp", with_offset=False))),
+                               "vocab_ids_not_offset", "gather"))
   # ZeRO-3 with the embedding table left as each rank holds it (not
   # all-gathered): the lookup reads a quarter of the table as if it were all.
   for model, table in (("gpt2", "wte"), ("llama3", "emb")):
