@@ -94,7 +94,7 @@ class _Lanes:
     """A value equal at every position: a splat, or a rank-dependent scalar."""
     splat = self.deg.splat(self.deg.of(v))
     if splat is not None:
-      if splat != int(splat):
+      if not float(splat).is_integer():  # (NaN and infinities too)
         return None
       c = np.array(int(splat), np.int64)
       return c, c
@@ -288,7 +288,8 @@ def _leaf_range(deg: DistEGraph, leaf: ir.Value) -> Optional[tuple[int, int]]:
   op = leaf.producer
   if bounds is not None and op is not None and op.name == "clamp":
     lo, hi = (deg.splat(deg.of(v)) for v in (op.operands[0], op.operands[2]))
-    if lo is not None and hi is not None and lo == int(lo) and hi == int(hi) and lo <= hi:
+    if lo is not None and hi is not None and float(lo).is_integer() and \
+        float(hi).is_integer() and lo <= hi:
       bounds = max(bounds[0], int(lo)), min(bounds[1], int(hi))
   return bounds
 
