@@ -194,20 +194,32 @@ def _row_start(rows: np.ndarray, row: tuple, index_map: Sequence[int], rank: int
   return start
 
 
+def _batch_starts(start: list[int], row: tuple, indices_ndim: int, index_vector_dim: int,
+                  operand_dims: Sequence[int], index_dims: Sequence[int]) -> list[int]:
+  """``start`` with each operand batching dim at the row's coordinate along
+  the index dim paired with it (row: the index dims but the index vector's)."""
+  row_dims = [d for d in range(indices_ndim) if d != index_vector_dim]
+  for o, i in zip(operand_dims, index_dims):
+    start[o] = row[row_dims.index(i)]
+  return start
+
+
 def gather(x: np.ndarray, indices: np.ndarray, attrs: dict) -> np.ndarray:
-  """StableHLO gather (no batching dims): result[batch, offset] reads x at the
-  start its row of indices gives (clamped so the slice fits) plus offset."""
+  """StableHLO gather: result[batch, offset] reads x at the start its row of
+  indices gives (clamped so the slice fits) plus offset; along a batching
+  dim, at the row's own coordinate on the index dim paired with it."""
   dn = dimension_numbers(attrs["dimension_numbers"])
-  if dn.get("operand_batching_dims") or dn.get("start_indices_batching_dims"):
-    raise NotImplementedError("reference: gather with batching dims")
   sizes, collapsed = attrs["slice_sizes"], dn.get("collapsed_slice_dims", ())
   offset_dims, start_map = dn.get("offset_dims", ()), dn.get("start_index_map", ())
+  batching = dn.get("operand_batching_dims", ())
   rows = _index_rows(indices, dn["index_vector_dim"])
-  window = [d for d in range(x.ndim) if d not in collapsed]
+  window = [d for d in range(x.ndim) if d not in collapsed and d not in batching]
   out = np.empty(rows.shape[:-1] + tuple(sizes[d] for d in window), x.dtype)
   for b in np.ndindex(rows.shape[:-1]):
     start = [int(np.clip(s, 0, n - k)) for s, n, k in
              zip(_row_start(rows, b, start_map, x.ndim), x.shape, sizes)]
+    start = _batch_starts(start, b, indices.ndim, dn["index_vector_dim"], batching,
+                          dn.get("start_indices_batching_dims", ()))
     block = x[tuple(slice(s, s + n) for s, n in zip(start, sizes))]
     out[b] = block.reshape([sizes[d] for d in window])
   n_batch = rows.ndim - 1
@@ -275,23 +287,26 @@ def tile_scatter(base: np.ndarray, indices: np.ndarray, updates: np.ndarray, att
 
 def scatter(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, attrs: dict,
             kind: str) -> np.ndarray:
-  """StableHLO scatter (no batching dims), combining by ``kind``: each row of
-  indices starts a window of updates in x; a window that does not fit is
-  skipped, as XLA does (the spec leaves it to the implementation)."""
+  """StableHLO scatter, combining by ``kind``: each row of indices starts a
+  window of updates in x (along a batching dim, at the row's own coordinate
+  on the index dim paired with it); a window that does not fit is skipped, as
+  XLA does (the spec leaves it to the implementation)."""
   dn = dimension_numbers(attrs["scatter_dimension_numbers"])
-  if dn.get("input_batching_dims") or dn.get("scatter_indices_batching_dims"):
-    raise NotImplementedError("reference: scatter with batching dims")
   window_dims, inserted = dn.get("update_window_dims", ()), dn.get("inserted_window_dims", ())
   to_operand = dn.get("scatter_dims_to_operand_dims", ())
+  batching = dn.get("input_batching_dims", ())
   rows = _index_rows(indices, dn["index_vector_dim"])
   scatter_dims = [d for d in range(updates.ndim) if d not in window_dims]
   windows = np.transpose(updates, scatter_dims + list(window_dims))
   sizes = [1] * x.ndim
-  for d, n in zip([d for d in range(x.ndim) if d not in inserted], windows.shape[rows.ndim - 1:]):
+  covered = [d for d in range(x.ndim) if d not in inserted and d not in batching]
+  for d, n in zip(covered, windows.shape[rows.ndim - 1:]):
     sizes[d] = n
   out = x.copy()
   for b in np.ndindex(rows.shape[:-1]):
-    start = _row_start(rows, b, to_operand, x.ndim)
+    start = _batch_starts(_row_start(rows, b, to_operand, x.ndim), b, indices.ndim,
+                          dn["index_vector_dim"], batching,
+                          dn.get("scatter_indices_batching_dims", ()))
     if any(s < 0 or s + n > dim for s, n, dim in zip(start, sizes, x.shape)):
       continue
     place = tuple(slice(s, s + n) for s, n in zip(start, sizes))

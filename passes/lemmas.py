@@ -672,6 +672,68 @@ def _gather_table_tiles(op: SeqOp, ls: Sequence[Layout]):
   yield attrs, Layout(tuple(dims), tuple(sorted(set(a.partial) | set(tiling))), "sum", a.scale)
 
 
+def _batched(op: SeqOp, ls: Sequence[Layout]):
+  """gather(concat(a_r, o), concat(i_r, j)) = concat(gather(a_r, i_r), j') for
+  each batching pair (operand dim o, index dim j) tiled alike (the rows of
+  batch b read operand batch b only), and scatter alike with its updates' row
+  dims; every other dim whole (a gather's operand dims its slices take whole
+  may stay tiled, as in ``gather-split-rows-or-whole-slices``).  The sums and
+  scale of the operand (of base and updates together, for a scatter-add) pass
+  through.  top_k's gradient is one: it picks k of each row's E values."""
+  if op.name == "gather":
+    a, i = ls
+    dn = dimension_numbers(op.attrs["dimension_numbers"])
+    pairs = list(zip(dn.get("operand_batching_dims", ()),
+                     dn.get("start_indices_batching_dims", ())))
+  else:
+    a, i, u = ls
+    dn = dimension_numbers(op.attrs["scatter_dimension_numbers"])
+    pairs = list(zip(dn.get("input_batching_dims", ()),
+                     dn.get("scatter_indices_batching_dims", ())))
+    if op.attrs.get("gg.reduction") != "sum" or u.partial != a.partial or \
+        u.partial_kind != a.partial_kind or not scales_equal(u.scale, a.scale):
+      return
+  ivd = dn["index_vector_dim"]
+  if not pairs or not _clean_indices(i, ivd) or a.partial and a.partial_kind != "sum":
+    return
+  paired_index_dims = {j for _, j in pairs}
+  if any(a.dims[o] != i.dims[j] for o, j in pairs) or any(
+      i.dims[j] for j in range(i.rank) if j != ivd and j not in paired_index_dims):
+    return
+  rows = _index_batch_dims(i.rank, ivd)
+  if op.name == "scatter":
+    window_dims = dn.get("update_window_dims", ())
+    scatter_rows = [d for d in range(u.rank) if d not in window_dims]
+    if any(u.dims[d] != i.dims[j] for d, j in zip(scatter_rows, rows)) or \
+        any(u.dims[w] for w in window_dims) or \
+        any(a.dims[d] for d in range(a.rank) if d not in {o for o, _ in pairs}):
+      return
+    attrs = {k: v for k, v in op.attrs.items() if k not in ("gg.reduction", "gg.base_value")}
+    yield attrs, a
+    return
+  offset_dims, collapsed = dn.get("offset_dims", ()), dn.get("collapsed_slice_dims", ())
+  start_map, sizes = dn.get("start_index_map", ()), op.attrs["slice_sizes"]
+  batching = {o for o, _ in pairs}
+  window = [d for d in range(a.rank) if d not in collapsed and d not in batching]
+  out_rank = op.result_type.rank
+  batch_out = [d for d in range(out_rank) if d not in offset_dims]
+  dims: list[tuple] = [()] * out_rank
+  for j, d in zip(rows, batch_out):
+    dims[d] = i.dims[j]
+  for d, axes in enumerate(a.dims):
+    if axes and d not in batching:
+      if d in start_map or d in collapsed or sizes[d] != op.operand_types[0].shape[d]:
+        return
+      dims[offset_dims[window.index(d)]] = axes
+  local = a.local_shape(op.operand_types[0].shape, op.mesh)
+  if local is None:
+    return
+  local_sizes = tuple(local[d] if a.dims[d] and d not in batching else n
+                      for d, n in enumerate(sizes))
+  yield dict(op.attrs, slice_sizes=local_sizes), Layout(tuple(dims), a.partial, a.partial_kind,
+                                                         a.scale)
+
+
 def _top_k(op: SeqOp, ls: Sequence[Layout]):
   """top_k(concat(a_r, j)) = concat(top_k(a_r), j) for any dim j but the last,
   which top_k picks along (both results: the values and their positions).  A
@@ -840,6 +902,9 @@ LEMMAS: tuple[Lemma, ...] = (
     Lemma("scatter-add-split-rows", frozenset({"scatter"}),
           "scatter_add(0, concat(i_r,k), concat(u_r,k')) = sum_r scatter_add(0, i_r, u_r); "
           "windows covering dim j whole keep its tiling", _scatter_add),
+    Lemma("gather-scatter-over-tiled-batching-dims", frozenset({"gather", "scatter"}),
+          "gather(concat(a_r,o), concat(i_r,j)) = concat(gather(a_r, i_r),j') for batching "
+          "dims o, j tiled alike; scatter alike", _batched),
     Lemma("top-k-along-untiled-last-dim", frozenset({"chlo.top_k"}),
           "top_k(concat(a_r,j)) = concat(top_k(a_r),j) for j not the last dim", _top_k),
     Lemma("scatter-add-into-table-tiles", frozenset({"scatter"}),

@@ -786,6 +786,70 @@ def gather_from_table_tiles(draw, mesh, seed):
 
 
 @st.composite
+def batched(draw, mesh, seed):
+  """A gather, or a scatter(-add, sometimes max), with one or two batching dims
+  (top_k's tangent and its transpose: each batch row picks k of its E values,
+  sometimes with a window dim taken whole): batching dims tiled alike in
+  operand, indices (and updates), the operand (base and updates) maybe partial
+  or scaled, the window dim of a gather's operand maybe tiled; nearby layouts
+  tiled unlike, which the lemma must refuse."""
+  rng = np.random.default_rng(seed)
+  nb = draw(st.integers(1, 2))
+  big = [x for x, n in mesh.axes if n > 1]
+  free = list(big)
+  batch_axes = []
+  for _ in range(nb):
+    axes = (free.pop(draw(st.integers(0, len(free) - 1))),) if free and draw(st.booleans()) else ()
+    batch_axes.append(axes)
+  bshape = [draw_size(draw, tiles(mesh, axes)) for axes in batch_axes]
+  e, k = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+  window = draw(st.booleans())
+  w_axes = (free.pop(),) if window and free and draw(st.booleans()) else ()
+  w = draw_size(draw, tiles(mesh, w_axes)) if window else 0
+  partial = (free.pop(),) if free and draw(st.integers(0, 3)) == 0 else ()
+  scale = draw(st.sampled_from(SCALES))
+  operand_shape = bshape + [e] + ([w] if window else [])
+  a = Layout(tuple(batch_axes) + ((),) + ((w_axes,) if window else ()), partial, "sum", scale)
+  idx = rng.integers(-1, e + 1, bshape + [k, 1]).astype(np.float64)
+  i = nearby(draw, mesh, Layout(tuple(batch_axes) + ((), ())), p_keep=0.8)
+  picks_axes = ()
+  if free and draw(st.integers(0, 4)) == 0:  # the picks split too (with their updates)
+    picks_axes = (free[0],)
+    k = draw_size(draw, mesh.axis_size(free[0]))
+    idx = rng.integers(-1, e + 1, bshape + [k, 1]).astype(np.float64)
+    i = i.with_(dims=i.dims[:nb] + (picks_axes, ()))
+  batching = tuple(range(nb))
+  if draw(st.booleans()):
+    x = random_values(rng, operand_shape)
+    attrs = {"dimension_numbers": _dims_text(
+        "gather", offset_dims=(nb + 1,) if window else (), collapsed_slice_dims=(nb,),
+        operand_batching_dims=batching, start_indices_batching_dims=batching,
+        start_index_map=(nb,), index_vector_dim=nb + 1),
+        "slice_sizes": tuple([1] * (nb + 1) + ([w] if window else [])),
+        "indices_are_sorted": False}
+    a = nearby(draw, mesh, a, p_keep=0.8)
+    out = reference.gather(x, idx, attrs).shape
+    return Case(seq_op("gather", attrs, [x, idx], out, mesh, operand_dtypes=[F64, "i32"]),
+                [a, i], [x, idx], seed)
+  a = a.with_(dims=a.dims[:nb] + ((),) * (a.rank - nb))
+  base = np.zeros(operand_shape) if draw(st.booleans()) else random_values(rng, operand_shape)
+  updates = random_values(rng, bshape + [k] + ([w] if window else []))
+  u = nearby(draw, mesh, Layout(tuple(batch_axes) + (picks_axes,) + ((),) * window, partial,
+                                "sum", scale), p_keep=0.8)
+  if any(batch_axes) and draw(st.integers(0, 4)) == 0:  # updates split unlike: refused
+    u = u.with_(dims=((),) * nb + u.dims[nb:])
+  attrs = {"scatter_dimension_numbers": _dims_text(
+      "scatter", update_window_dims=(nb + 1,) if window else (), inserted_window_dims=(nb,),
+      input_batching_dims=batching, scatter_indices_batching_dims=batching,
+      scatter_dims_to_operand_dims=(nb,), index_vector_dim=nb + 1),
+      "indices_are_sorted": False, "unique_indices": False,
+      "gg.reduction": draw(st.sampled_from(["sum"] * 5 + ["max"]))}
+  op = seq_op("scatter", attrs, [base, idx, updates], operand_shape, mesh,
+              operand_dtypes=[F64, "i32", F64])
+  return Case(op, [nearby(draw, mesh, a, p_keep=0.8), i, u], [base, idx, updates], seed)
+
+
+@st.composite
 def top_k(draw, mesh, seed):
   """The k largest along the last dim, values or positions, of an operand
   tiled along the other dims (sometimes the last, partial or scaled: refused);
@@ -944,6 +1008,7 @@ GENERATORS = {
     "scatter-add-split-rows": scatter,
     "scatter-add-into-table-tiles": scatter_into_table_tiles,
     "top-k-along-untiled-last-dim": top_k,
+    "gather-scatter-over-tiled-batching-dims": batched,
 }
 
 
@@ -1206,6 +1271,38 @@ def test_table_tiles_refuse_a_table_of_partial_maxima():
     table = Layout((("x",), ()), ("y",), kind)
     steps = [s for s in apply_lemmas(op, [table, ids]) if s.lemma == "gather-from-table-tiles"]
     assert bool(steps) == yields, kind
+
+
+def test_reference_batched_gather_and_scatter_agree_with_jax():
+  """With batching dims: top_k's tangent gather and its transpose, on rows
+  [b, s] each picking k of E (the index vector last)."""
+  import jax
+  from jax import lax
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((3, 4, 5)).astype(np.float32)
+  picks = rng.integers(0, 5, (3, 4, 2, 1)).astype(np.int32)
+  gdims = lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(2,),
+                                     start_index_map=(2,), operand_batching_dims=(0, 1),
+                                     start_indices_batching_dims=(0, 1))
+  want = jax.jit(lambda v, i: lax.gather(v, i, gdims, (1, 1, 1)))(x, picks)
+  attrs = {"dimension_numbers": _dims_text(
+      "gather", offset_dims=(), collapsed_slice_dims=(2,), operand_batching_dims=(0, 1),
+      start_indices_batching_dims=(0, 1), start_index_map=(2,), index_vector_dim=3),
+      "slice_sizes": (1, 1, 1)}
+  np.testing.assert_allclose(reference.gather(x, picks, attrs), np.asarray(want))
+  u = rng.standard_normal((3, 4, 2)).astype(np.float32)
+  sdims = lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(2,),
+                                      scatter_dims_to_operand_dims=(2,),
+                                      operand_batching_dims=(0, 1),
+                                      scatter_indices_batching_dims=(0, 1))
+  want = jax.jit(lambda i, g: lax.scatter_add(np.zeros((3, 4, 5), np.float32), i, g, sdims))(
+      picks, u)
+  add = {"scatter_dimension_numbers": _dims_text(
+      "scatter", inserted_window_dims=(2,), input_batching_dims=(0, 1),
+      scatter_indices_batching_dims=(0, 1), scatter_dims_to_operand_dims=(2,),
+      index_vector_dim=3)}
+  np.testing.assert_allclose(reference.scatter(np.zeros((3, 4, 5), np.float32), picks, u, add,
+                                               "sum"), np.asarray(want), rtol=1e-6)
 
 
 def test_reference_gather_and_scatter_agree_with_jax():

@@ -406,16 +406,19 @@ def moe_mlp(m, w, par: Parallel, top_k: int, capacity: int = 0, router: str = "a
   dispatched to an [experts, b, s, d] tensor by a k-hot mask, each expert runs
   on its slice, and each token sums its experts' outputs weighted by their
   gates.  The k experts are picked by k rounds of arg-max masking, or by
-  ``lax.top_k`` (``router="top_k"``; ties go to the lower expert).  Under
+  ``lax.top_k`` (``router="top_k"``, ties to the lower expert; the gates a
+  softmax over the k values, so the gradient goes through top_k).  Under
   expert parallelism the dispatched tensor is all-to-all'd from token owners
   to expert owners and back.  With a ``capacity``, each expert's slots in a
   group are handed out in token order (a cumulative sum of the choices) and
   tokens beyond it are dropped: the dispatched tensor is [experts, b,
   capacity, d]."""
   logits = m @ w("w_router")                                     # [b, s, E]
-  if router == "top_k":
-    _, picked = lax.top_k(logits, top_k)                         # [b, s, k]
-    chosen = jnp.sum(jax.nn.one_hot(picked, logits.shape[-1], dtype=F32), axis=-2)
+  if router == "top_k":  # Mixtral: a softmax over the k largest logits
+    top, picked = lax.top_k(logits, top_k)                       # [b, s, k]
+    onehot = jax.nn.one_hot(picked, logits.shape[-1], dtype=F32)  # [b, s, k, E]
+    chosen = jnp.sum(onehot, axis=-2)
+    gates = jnp.einsum("bsk,bske->bse", jax.nn.softmax(top, axis=-1), onehot)
   else:
     chosen = jnp.zeros_like(logits)
     left = logits
@@ -423,8 +426,9 @@ def moe_mlp(m, w, par: Parallel, top_k: int, capacity: int = 0, router: str = "a
       pick = left == jnp.max(left, axis=-1, keepdims=True)
       chosen = chosen + pick.astype(F32)
       left = jnp.where(pick, -jnp.inf, left)
-  gates = jnp.where(chosen > 0, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)
-  gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    gates = jnp.where(chosen > 0, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)),
+                      0.0)
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
   if capacity:
     slot = par.expert_slots(chosen)                                # [b, s, E]
     dispatch = (slot[..., None] == jnp.arange(capacity, dtype=F32)).astype(F32)  # [b, s, E, C]
