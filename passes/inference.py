@@ -535,7 +535,7 @@ class RelationInference:
     for k, v in enumerate(op.operands):
       if v.id in self.splats:
         choices.append([("splat", None)] + ([("splat", l) for l in self._splat_tilings(v)]
-                                             if op.name == "scatter" and k == 0 else []))
+                                             if op.name == "scatter" and k != 1 else []))
       else:
         rels = self.whole_relations(v)
         if not rels:
@@ -546,7 +546,8 @@ class RelationInference:
 
   def _splat_tilings(self, v: ir.Value) -> list[Layout]:
     """The tilings of splat ``v`` whose tile the per-device program holds as a
-    splat (a scatter's base: zeros of a table split by rows)."""
+    splat (a scatter's base: zeros of a table split by rows; its updates: the
+    constant cotangent of a mean, rows split like their indices)."""
     out = []
     for t in self.deg.splat_types(self.splats[v.id], v.type.dtype):
       if t.shape != v.shape:

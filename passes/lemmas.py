@@ -640,9 +640,10 @@ def _gather_table_tiles(op: SeqOp, ls: Sequence[Layout]):
   start_map, sizes = dn.get("start_index_map", ()), op.attrs["slice_sizes"]
   ivd = dn["index_vector_dim"]
   index_shape = op.operand_types[1].shape
-  if dn.get("operand_batching_dims") or len(start_map) != 1 or \
-      (ivd < len(index_shape) and index_shape[ivd] != 1) or not _clean_indices(i, ivd):
-    return
+  pairs = list(zip(dn.get("operand_batching_dims", ()), dn.get("start_indices_batching_dims", ())))
+  if len(start_map) != 1 or (ivd < len(index_shape) and index_shape[ivd] != 1) or \
+      not _clean_indices(i, ivd) or any(a.dims[o] != i.dims[j] for o, j in pairs):
+    return  # (batching dims tiled alike: each rank its own batches, as in _batched)
   (k,) = start_map
   tiling = a.dims[k]
   if not tiling or any(axis_shift(x) for x in tiling) or sizes[k] != 1 or (
@@ -651,21 +652,23 @@ def _gather_table_tiles(op: SeqOp, ls: Sequence[Layout]):
   if any(axis_base(b) in tiling for axes in i.dims for b in axes):
     return  # each rank must look up the same indices (no valid result layout else)
   offset_dims, collapsed = dn.get("offset_dims", ()), dn.get("collapsed_slice_dims", ())
-  window = [d for d in range(a.rank) if d not in collapsed]
+  batching = {o for o, _ in pairs}
+  window = [d for d in range(a.rank) if d not in collapsed and d not in batching]
   out_rank = op.result_type.rank
   batch_out = [d for d in range(out_rank) if d not in offset_dims]
   dims: list[tuple] = [()] * out_rank
   for r, d in zip(_index_batch_dims(i.rank, ivd), batch_out):
     dims[d] = i.dims[r]
   for j, axes in enumerate(a.dims):
-    if axes and j != k:
+    if axes and j != k and j not in batching:
       if j in collapsed or sizes[j] != op.operand_types[0].shape[j]:
         return
       dims[offset_dims[window.index(j)]] = axes
   local = a.local_shape(op.operand_types[0].shape, op.mesh)
   if local is None:
     return
-  local_sizes = tuple(local[j] if a.dims[j] and j != k else n for j, n in enumerate(sizes))
+  local_sizes = tuple(local[j] if a.dims[j] and j != k and j not in batching else n
+                      for j, n in enumerate(sizes))
   attrs = dict(op.attrs, slice_sizes=local_sizes)
   attrs.update({LOCAL_OP: "gg.tile_gather",
                 "gg.tiles": tuple((x, op.mesh.axis_size(x)) for x in tiling)})
@@ -760,27 +763,31 @@ def _scatter_into_table_tiles(op: SeqOp, ls: Sequence[Layout]):
   to_operand = dn.get("scatter_dims_to_operand_dims", ())
   ivd = dn["index_vector_dim"]
   index_shape = op.operand_types[1].shape
-  if op.attrs.get("gg.reduction") != "sum" or dn.get("input_batching_dims") or \
-      len(to_operand) != 1 or (ivd < len(index_shape) and index_shape[ivd] != 1) or \
-      not _clean_indices(i, ivd):
-    return
+  pairs = list(zip(dn.get("input_batching_dims", ()), dn.get("scatter_indices_batching_dims", ())))
+  if op.attrs.get("gg.reduction") != "sum" or len(to_operand) != 1 or \
+      (ivd < len(index_shape) and index_shape[ivd] != 1) or not _clean_indices(i, ivd) or \
+      any(b.dims[o] != i.dims[j] for o, j in pairs):
+    return  # (batching dims tiled alike: each rank its own batches, as in _batched)
   (k,) = to_operand
   tiling = b.dims[k]
+  batching = {o for o, _ in pairs}
   inserted, window_dims = dn.get("inserted_window_dims", ()), dn.get("update_window_dims", ())
-  covered = [d for d in range(b.rank) if d not in inserted]
+  covered = [d for d in range(b.rank) if d not in inserted and d not in batching]
   if k in covered and op.operand_types[2].shape[window_dims[covered.index(k)]] != 1:
     return  # a window of more than one row may straddle two tiles
   if not tiling or any(axis_shift(x) for x in tiling) or b.partial or \
-      any(axes for d, axes in enumerate(b.dims) if d != k) or \
+      any(axes for d, axes in enumerate(b.dims) if d != k and d not in batching) or \
       any(u.dims[w] for w in window_dims) or (u.partial and u.partial_kind != "sum") or \
       not scales_equal(b.scale, u.scale):
     return
   rows = [d for d in range(u.rank) if d not in window_dims]
   split: list[str] = []
+  paired = {j for _, j in pairs}
   for r, d in zip(_index_batch_dims(i.rank, ivd), rows):
     if i.dims[r] != u.dims[d]:
       return  # each rank must hold its rows' indices with their updates
-    split += list(i.dims[r])
+    if r not in paired:  # (a batching row's axes tile the base's batch dim instead)
+      split += list(i.dims[r])
   if len(split) != len(set(split)) or any(axis_shift(x) for x in split):
     return  # diagonal blocks, or rotated ones: not every row once
   partial = tuple(sorted(set(split) | set(u.partial)))

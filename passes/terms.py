@@ -8,6 +8,7 @@ computes it by a hash-cons lookup.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Hashable, Optional
 
 import numpy as np
@@ -100,8 +101,11 @@ def splat_head(value: float, type: ir.TensorType) -> Hashable:
   return ("splat", canonical_float(value), type)
 
 
+_NAN = float("nan")  # one NaN object: NaN != NaN, but a tuple holding it equals itself
+
+
 def canonical_float(value: float) -> float:
-  return float(f"{value:.{SPLAT_DIGITS}g}")
+  return _NAN if math.isnan(value) else float(f"{value:.{SPLAT_DIGITS}g}")
 
 
 def fold_scalar(name: str, attrs: dict, values: list[float], type: ir.TensorType

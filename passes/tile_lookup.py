@@ -131,11 +131,19 @@ class _Lanes:
     if op.name == "broadcast_in_dim" and list(op.attrs["broadcast_dimensions"]) != sorted(
         op.attrs["broadcast_dimensions"]):
       return None  # a transposing broadcast moves lanes
-    lo, hi = out
-    # Where the type wraps, the lane is anything the type holds (a select may
-    # still drop it: XLA's ints wrap, they do not trap).
-    wraps = (lo < bounds[0]) | (hi > bounds[1])
-    return np.where(wraps, bounds[0], lo), np.where(wraps, bounds[1], hi)
+    return _wrapped(out, bounds)
+
+
+def _wrapped(out: Interval, bounds: tuple[int, int]) -> Interval:
+  """An interval computed in exact integers, as the type holds it: XLA's ints
+  wrap (they do not trap), so one wholly beyond an end comes round by the
+  type's size; one straddling an end is anything the type holds."""
+  lo, hi = out
+  size = bounds[1] - bounds[0] + 1
+  shift = np.where(hi < bounds[0], size, np.where(lo > bounds[1], -size, 0))
+  lo, hi = lo + shift, hi + shift
+  straddles = (lo < bounds[0]) | (hi > bounds[1])
+  return np.where(straddles, bounds[0], lo), np.where(straddles, bounds[1], hi)
 
 
 _MONOTONE = {"add": np.add, "maximum": np.maximum, "minimum": np.minimum}
@@ -207,9 +215,8 @@ def _row_gather(g: ir.Op) -> Optional[int]:
   index_shape = g.operands[1].shape
   ivd = dn["index_vector_dim"]
   start_map = dn.get("start_index_map", ())
-  if dn.get("operand_batching_dims") or len(start_map) != 1 or (
-      ivd < len(index_shape) and index_shape[ivd] != 1):
-    return None
+  if len(start_map) != 1 or (ivd < len(index_shape) and index_shape[ivd] != 1):
+    return None  # (batching dims are rows like the others: each reads its own batch)
   k = start_map[0]
   return k if g.attrs["slice_sizes"][k] == 1 else None
 
@@ -296,16 +303,29 @@ def _leaf_range(deg: DistEGraph, leaf: ir.Value) -> Optional[tuple[int, int]]:
 
 def _lane_domain(deg: DistEGraph, leaf: ir.Value, total: int) -> Optional[Interval]:
   """One lane per row of a table of ``total`` rows, and one per run of the
-  leaf's values beyond each end (which must each act alike throughout)."""
+  leaf's values beyond each end (which must each act alike throughout).  The
+  ``total`` values at each end of the type get a lane each: a rank offset
+  (at most a table) added to them may wrap round, point by point."""
   bounds = _leaf_range(deg, leaf)
   if bounds is None:
     return None
-  lo = [np.arange(total, dtype=np.int64)]
-  hi = [lo[0]]
+  lo, hi = [np.arange(total, dtype=np.int64)], [np.arange(total, dtype=np.int64)]
+
+  def span(a: int, b: int, edge_first: bool) -> None:
+    """Values a..b: points within ``total`` of the type's end, one run for the rest."""
+    if b - a + 1 <= 2 * total:
+      points = np.arange(a, b + 1, dtype=np.int64)
+      lo.append(points), hi.append(points)
+      return
+    edge = np.arange(a, a + total) if edge_first else np.arange(b - total + 1, b + 1)
+    run = (a + total, b) if edge_first else (a, b - total)
+    lo.extend([edge.astype(np.int64), np.array([run[0]])])
+    hi.extend([edge.astype(np.int64), np.array([run[1]])])
+
   if bounds[0] < 0:
-    lo, hi = lo + [np.array([bounds[0]])], hi + [np.array([-1])]
+    span(bounds[0], min(-1, bounds[1]), edge_first=True)
   if bounds[1] >= total:
-    lo, hi = lo + [np.array([total])], hi + [np.array([bounds[1]])]
+    span(max(total, bounds[0]), bounds[1], edge_first=False)
   return np.concatenate(lo), np.concatenate(hi)
 
 
@@ -318,7 +338,7 @@ def _tile_coordinates(tiles):
     yield t, {a: c for (a, _), c in zip(tiles, coords)}
 
 
-_CLIP_HINT = " (the sequential gather clamps them: clip the ids first?)"
+_CLIP_HINT = " (the sequential gather clamps ids into the table: clip them first?)"
 
 
 def _lane_words(xs: Interval, k: int) -> str:
@@ -347,15 +367,17 @@ def _gather_departure(deg, arith, leaf, index, mask, zero_when_true, tiles, n
     mine = (clamped >= t * n) & (clamped < t * n + n)
     zeroed = m_lo.astype(bool) == zero_when_true
     for k in np.flatnonzero((m_lo != m_hi) | (zeroed == mine)):
-      run = xs[0][k] != xs[1][k]  # ids beyond the table, which the gather clamps
-      is_, are = ("clamp to", "are") if run else ("is", "is")
+      beyond = xs[0][k] < 0 or xs[0][k] >= total  # ids the gather clamps into the table
+      plural = xs[0][k] != xs[1][k]
+      is_ = ("clamp to" if plural else "clamps to") if beyond else "is"
+      are = "are" if plural else "is"
       if m_lo[k] != m_hi[k]:
         what = f"{are} masked for some values and not for others"
       elif mine[k]:
         what = f"{is_} row {clamped[k] - t * n} of the rows it holds but {are} masked to zero"
       else:
         what = f"{is_} another rank's row but {are} not masked to zero"
-      hint = _CLIP_HINT if run else ""
+      hint = _CLIP_HINT if beyond else ""
       return f"at rank {rank}, {_lane_words(xs, k)} {what}{hint}"
     j_lo, j_hi = (np.broadcast_to(np.clip(a, 0, n - 1), xs[0].shape) for a in j)
     want = clamped - t * n
@@ -429,12 +451,12 @@ def _row_scatter(op: ir.Op) -> Optional[int]:
   dn = dimension_numbers(op.attrs["scatter_dimension_numbers"])
   to_operand = dn.get("scatter_dims_to_operand_dims", ())
   index_shape, ivd = op.operands[1].shape, dn["index_vector_dim"]
-  if dn.get("input_batching_dims") or len(to_operand) != 1 or (
-      ivd < len(index_shape) and index_shape[ivd] != 1):
+  if len(to_operand) != 1 or (ivd < len(index_shape) and index_shape[ivd] != 1):
     return None
   k = to_operand[0]
-  inserted = dn.get("inserted_window_dims", ())
-  covered = [d for d in range(op.operands[0].type.rank) if d not in inserted]
+  inserted, batching = dn.get("inserted_window_dims", ()), dn.get("input_batching_dims", ())
+  covered = [d for d in range(op.operands[0].type.rank) if d not in inserted and
+             d not in batching]
   window_dims = dn.get("update_window_dims", ())
   if k in covered and op.operands[2].shape[window_dims[covered.index(k)]] != 1:
     return None

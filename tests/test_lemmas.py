@@ -1273,6 +1273,53 @@ def test_table_tiles_refuse_a_table_of_partial_maxima():
     assert bool(steps) == yields, kind
 
 
+def _label_pick_cases(batch_axes):
+  """optax's label pick from logits [b, s, V] split by vocabulary over "x",
+  (b over ``batch_axes`` in logits and labels alike), and its gradient."""
+  mesh = ir.Mesh((("x", 2), ("y", 2)))
+  rng = np.random.default_rng(3)
+  logits = rng.standard_normal((4, 3, 8))
+  labels = rng.integers(-2, 11, (4, 3, 1, 1)).astype(np.float64)
+  dims = dict(operand_batching_dims=(0, 1), start_indices_batching_dims=(0, 1),
+              start_index_map=(2,), index_vector_dim=3)
+  pick = {"dimension_numbers": _dims_text("gather", offset_dims=(), collapsed_slice_dims=(2,),
+                                          **dims), "slice_sizes": (1, 1, 1),
+          "indices_are_sorted": False}
+  gather = Case(seq_op("gather", pick, [logits, labels], (4, 3, 1), mesh,
+                       operand_dtypes=[F64, "i32"]),
+                [Layout((batch_axes, (), ("x",))), Layout((batch_axes, (), (), ()))],
+                [logits, labels], 3)
+  grad = {"scatter_dimension_numbers": _dims_text(
+      "scatter", inserted_window_dims=(2,), input_batching_dims=(0, 1),
+      scatter_indices_batching_dims=(0, 1), scatter_dims_to_operand_dims=(2,),
+      index_vector_dim=3), "indices_are_sorted": False, "unique_indices": False,
+      "gg.reduction": "sum", "gg.base_value": 0.0}
+  g = rng.standard_normal((4, 3, 1))
+  scatter = Case(seq_op("scatter", grad, [np.zeros((4, 3, 8)), labels, g], (4, 3, 8), mesh,
+                        operand_dtypes=[F64, "i32", F64]),
+                 [Layout((batch_axes, (), ("x",))), Layout((batch_axes, (), (), ())),
+                  Layout((batch_axes, (), ()))], [np.zeros((4, 3, 8)), labels, g], 3)
+  return gather, scatter
+
+
+@pytest.mark.parametrize("batch_axes", [(), ("y",)])
+def test_table_tiles_with_batching_dims(batch_axes):
+  """The tile lemmas on a gather and scatter with batching dims (optax's cross
+  entropy on vocabulary-split logits): numerically right, and refused when
+  the labels' batch is split unlike the logits'."""
+  for case, lemma in zip(_label_pick_cases(batch_axes),
+                         ("gather-from-table-tiles", "scatter-add-into-table-tiles")):
+    assert lemma in check_case(case)
+    # The labels' batch (and the updates', alike) split where the logits' is
+    # not, or whole where it is split.
+    other = () if batch_axes else ("y",)
+    unlike = list(case.layouts)
+    unlike[1] = Layout((other, (), (), ()))
+    if len(unlike) == 3:
+      unlike[2] = Layout((other, (), ()))
+    assert lemma not in {s.lemma for s in apply_lemmas(case.op, unlike)}
+
+
 def test_reference_batched_gather_and_scatter_agree_with_jax():
   """With batching dims: top_k's tangent gather and its transpose, on rows
   [b, s] each picking k of E (the index vector last)."""

@@ -162,9 +162,9 @@ def test_gradient_of_the_lookup_is_proved():
 @pytest.mark.parametrize("near_miss, words", [
     # take(mode="clip") gives an out-of-range id the edge row; unclipped, the
     # masked lookup gives zeros.
-    (_masked_lookup(clip=False), "indices -2147483648..-1 clamp to row 0 of the rows it "
-                                 "holds but are masked to zero (the sequential gather clamps "
-                                 "them: clip the ids first?)"),
+    (_masked_lookup(clip=False), "index -2147483648 clamps to row 0 of the rows it holds "
+                                 "but is masked to zero (the sequential gather clamps ids into "
+                                 "the table: clip them first?)"),
     (_masked_lookup(first=1), "index 0 is row 0 of the rows it holds but is masked"),
     (_masked_lookup(offset=1), "index 0 is row 0 of the rows it holds but is masked"),
     (_masked_lookup(local_rows=False), "at rank tp=1, index 4 looks up local row 3, not its "
@@ -215,14 +215,16 @@ def test_unmasked_scatter_updates_are_not_a_tile_scatter():
                          np.asarray(jax.jit(dist)(ids, table, g)))
 
 
-def test_lanes_that_wrap_are_anything_the_type_holds():
-  """x - 5 for x near the least int32 wraps round to the greatest: the lane
-  is then the whole type (a mask may still drop it), not a negative range."""
+def test_lanes_wrap_round_the_type():
+  """x - 5 for x near the least int32 wraps round to the greatest (XLA's ints
+  wrap): a lane wholly beyond the end comes round by 2^32, one straddling it
+  is anything the type holds (a mask may still drop it); the rest is exact."""
   from graphguard_hlo.passes.dist_egraph import DistEGraph
   from graphguard_hlo.passes.rank_arith import RankArithmetic
   module = lower_sequential(lambda x: x - 5, jax.ShapeDtypeStruct((4,), jnp.int32))
   graph = module.main
+  xs = (np.array([-2**31, -2**31, 0]), np.array([-2**31 + 2, -2**31 + 9, 9]))
   lanes = tile_lookup._Lanes(DistEGraph(graph), RankArithmetic(ir.Mesh((("x", 1),))),
-                             graph.params[0], {}, (np.array([-2**31, 0]), np.array([-2**31 + 2, 9])))
+                             graph.params[0], {}, xs)
   lo, hi = lanes.of(graph.results[0])
-  assert (list(lo), list(hi)) == ([-2**31, -5], [2**31 - 1, 4])
+  assert (list(lo), list(hi)) == ([2**31 - 5, -2**31, -5], [2**31 - 3, 2**31 - 1, 4])
