@@ -59,6 +59,7 @@ def test_names_and_metadata():
     strategies.get(f"{model}/fsdp_take_grad/shard_map/ok")
     strategies.get(f"{model}/tp_vocab_take_grad/gspmd/ok")
     strategies.get(f"{model}/dp_tp_vocab_take_grad/shard_map/ok")
+    strategies.get(f"{model}/tp_vocab_optax_grad/gspmd/ok")
     strategies.get(f"{model}/ring_attention_vjp_grad/shard_map/ok")
   strategies.get("llama3/ep_capacity_grad/gspmd/ok")
   strategies.get("llama3/ep_top_k_grad/gspmd/ok")

@@ -53,6 +53,10 @@ class Config:
   # Token lookup: "one_hot" (one_hot(tokens) @ table, a dot_general) or
   # "take" (jnp.take, a gather).
   embedding: str = "one_hot"
+  # The cross entropy's pick of each label's log-probability: "one_hot" (a
+  # one-hot product, summed) or "take" (``jnp.take_along_axis``, as optax's
+  # softmax_cross_entropy_with_integer_labels: a gather with batching dims).
+  label_pick: str = "one_hot"
   # Layers stacked ([layers, ...] parameters named ``layers.<base>``) and run
   # under ``lax.scan`` (a while loop in the modules) instead of unrolled.
   scan_layers: bool = False
@@ -74,6 +78,7 @@ class Config:
   def __post_init__(self):
     assert self.embedding in ("one_hot", "take"), self
     assert self.router in ("argmax", "top_k"), self
+    assert self.label_pick in ("one_hot", "take"), self
     assert self.d_model % self.heads == 0, self
     assert self.heads % self.kv_heads == 0, self
     assert self.head_dim % 2 == 0, self
@@ -155,11 +160,11 @@ class Parallel:
   attend: Optional[Callable] = None
   # per-token nll [b, s] -> scalar loss
   combine_loss: Callable = jnp.mean
-  # (tokens, table as held, cfg) -> embeddings; (logits as held, labels) ->
-  # per-token nll: vocab-parallel versions split the table's rows and the
+  # (tokens, table as held, cfg) -> embeddings; (logits as held, labels, cfg)
+  # -> per-token nll: vocab-parallel versions split the table's rows and the
   # logits' columns (Megatron).
   embed_tokens: Callable = lambda tokens, table, cfg: embed(tokens, table, cfg)
-  token_nll: Callable = lambda logits, labels: cross_entropy(logits, labels)
+  token_nll: Callable = lambda logits, labels, cfg: cross_entropy(logits, labels, cfg.label_pick)
   # MoE: tokens [experts, b, s, d] held by token owners -> by expert owners,
   # and the experts' outputs back (all-to-alls under expert parallelism).
   to_experts: Callable = _identity
@@ -296,9 +301,11 @@ def causal_attention(q, k, v, mask=lower_triangle):
   return jnp.einsum("bhst,bthd->bshd", probs, v).reshape(b, s, h * hd)
 
 
-def cross_entropy(logits, labels):
-  """Per-token negative log-likelihood [b, s]."""
+def cross_entropy(logits, labels, pick: str = "one_hot"):
+  """Per-token negative log-likelihood [b, s]; ``pick`` as ``Config.label_pick``."""
   logp = jax.nn.log_softmax(logits, axis=-1)
+  if pick == "take":
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
   onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=F32)
   return -jnp.sum(onehot * logp, axis=-1)
 
@@ -350,7 +357,7 @@ def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
   h = _run_layers(h, p, cfg, layer, par)
   h = layernorm(h, p["lnf_g"], p["lnf_b"])
   logits = h @ wte.T                              # tied output head
-  return par.combine_loss(par.token_nll(logits, labels))
+  return par.combine_loss(par.token_nll(logits, labels, cfg))
 
 
 # --------------------------------------------------------------------------
@@ -396,7 +403,7 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
   h = _run_layers(h, p, cfg, layer, par)
   h = rmsnorm(h, p["final_norm"])
   logits = h @ p["head"]                          # untied output head
-  return par.combine_loss(par.token_nll(logits, labels))
+  return par.combine_loss(par.token_nll(logits, labels, cfg))
 
 
 def moe_mlp(m, w, par: Parallel, top_k: int, capacity: int = 0, router: str = "argmax"):

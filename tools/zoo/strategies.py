@@ -365,7 +365,7 @@ def _vocab_parallel_nll(axis, reduce_max=True, with_offset=True):
   ``reduce_max=False`` shifts each rank's logits by its own max;
   ``with_offset=False`` matches labels against every rank's ids as if they
   were the first rank's."""
-  def nll(logits, labels):
+  def nll(logits, labels, cfg):
     m = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
     if reduce_max:
       m = lax.pmax(m, axis)
@@ -865,6 +865,13 @@ def _looked_up(strategy: _Strategy) -> _Strategy:
                              cfg_overrides=strategy.cfg_overrides + (("embedding", "take"),))
 
 
+def _optax_labels(strategy: _Strategy) -> _Strategy:
+  """``strategy`` (a ``*_take`` one) with the cross entropy's labels picked by
+  ``jnp.take_along_axis`` (``Config.label_pick``)."""
+  return dataclasses.replace(strategy, name=strategy.name.replace("_take", "_optax"),
+                             cfg_overrides=strategy.cfg_overrides + (("label_pick", "take"),))
+
+
 def _scanned(strategy: _Strategy) -> _Strategy:
   return dataclasses.replace(strategy, name=f"{strategy.name}_scan",
                              cfg_overrides=strategy.cfg_overrides + (("scan_layers", True),))
@@ -1062,6 +1069,15 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                dataclasses.replace(vocab_take.par(), embed_tokens=(
                                    _vocab_parallel_embed("tp", with_offset=False))),
                                "vocab_ids_not_offset", "gather"))
+  # The labels' log-probabilities picked by jnp.take_along_axis, as optax's
+  # integer-label cross entropy does (a gather with batching dims, NaN for a
+  # label out of range; its gradient a scatter): under dp, and with the
+  # vocabulary split over "tp", as XLA partitions them (GSPMD).
+  for model in MODELS:
+    for strategy in map(_optax_labels, (_looked_up(_STRATEGIES["dp"]), vocab_take)):
+      built.append(_gspmd_case(model, strategy, cfg))
+      if grad:
+        built.append(_grad_case(model, strategy, cfg))
   # ZeRO-3 with the embedding table left as each rank holds it (not
   # all-gathered): the lookup reads a quarter of the table as if it were all.
   for model, table in (("gpt2", "wte"), ("llama3", "emb")):
