@@ -585,6 +585,35 @@ def _clean_indices(i: Layout, index_vector_dim: int) -> bool:
       index_vector_dim >= i.rank or not i.dims[index_vector_dim])
 
 
+def _gather_result(op: SeqOp, a: Layout, i: Layout, skip: set[int]
+                   ) -> Optional[tuple[dict, tuple]]:
+  """(local attrs, result dims) of a gather: each index row's tiling on its
+  result dim, and the tiling of every operand dim not in ``skip`` (the
+  caller's own) on its offset dim, which the slices must take whole and no
+  index move; None if one does not."""
+  dn = dimension_numbers(op.attrs["dimension_numbers"])
+  offset_dims, collapsed = dn.get("offset_dims", ()), dn.get("collapsed_slice_dims", ())
+  start_map, sizes = dn.get("start_index_map", ()), op.attrs["slice_sizes"]
+  batching = set(dn.get("operand_batching_dims", ()))
+  window = [d for d in range(a.rank) if d not in collapsed and d not in batching]
+  out_rank = op.result_type.rank
+  batch_out = [d for d in range(out_rank) if d not in offset_dims]
+  dims: list[tuple] = [()] * out_rank
+  for j, d in zip(_index_batch_dims(i.rank, dn["index_vector_dim"]), batch_out):
+    dims[d] = i.dims[j]
+  for d, axes in enumerate(a.dims):
+    if axes and d not in skip:
+      if d in start_map or d in collapsed or sizes[d] != op.operand_types[0].shape[d]:
+        return None
+      dims[offset_dims[window.index(d)]] = axes
+  local = a.local_shape(op.operand_types[0].shape, op.mesh)
+  if local is None:
+    return None
+  local_sizes = tuple(local[d] if a.dims[d] and d not in skip else n
+                      for d, n in enumerate(sizes))
+  return dict(op.attrs, slice_sizes=local_sizes), tuple(dims)
+
+
 def _gather(op: SeqOp, ls: Sequence[Layout]):
   """gather(a, concat(i_r, k)) = concat(gather(a, i_r), k') for a row dim k
   of the indices (k' its result dim): each result row reads one slice of a
@@ -599,25 +628,9 @@ def _gather(op: SeqOp, ls: Sequence[Layout]):
   dn = dimension_numbers(op.attrs["dimension_numbers"])
   if dn.get("operand_batching_dims") or not _clean_indices(i, dn["index_vector_dim"]):
     return
-  offset_dims, collapsed = dn.get("offset_dims", ()), dn.get("collapsed_slice_dims", ())
-  start_map, sizes = dn.get("start_index_map", ()), op.attrs["slice_sizes"]
-  out_rank = op.result_type.rank
-  batch_out = [d for d in range(out_rank) if d not in offset_dims]
-  window = [d for d in range(a.rank) if d not in collapsed]
-  dims: list[tuple] = [()] * out_rank
-  for k, d in zip(_index_batch_dims(i.rank, dn["index_vector_dim"]), batch_out):
-    dims[d] = i.dims[k]
-  for j, axes in enumerate(a.dims):
-    if axes:
-      if j in start_map or j in collapsed or sizes[j] != op.operand_types[0].shape[j]:
-        return
-      dims[offset_dims[window.index(j)]] = axes
-  local = a.local_shape(op.operand_types[0].shape, op.mesh)
-  if local is None:
-    return
-  local_sizes = tuple(local[j] if a.dims[j] else n for j, n in enumerate(sizes))
-  yield (dict(op.attrs, slice_sizes=local_sizes),
-         Layout(tuple(dims), a.partial, a.partial_kind, a.scale))
+  found = _gather_result(op, a, i, set())
+  if found is not None:
+    yield found[0], Layout(found[1], a.partial, a.partial_kind, a.scale)
 
 
 # A lemma whose local op is not the sequential op's own names it under this key.
@@ -651,28 +664,13 @@ def _gather_table_tiles(op: SeqOp, ls: Sequence[Layout]):
     return
   if any(axis_base(b) in tiling for axes in i.dims for b in axes):
     return  # each rank must look up the same indices (no valid result layout else)
-  offset_dims, collapsed = dn.get("offset_dims", ()), dn.get("collapsed_slice_dims", ())
-  batching = {o for o, _ in pairs}
-  window = [d for d in range(a.rank) if d not in collapsed and d not in batching]
-  out_rank = op.result_type.rank
-  batch_out = [d for d in range(out_rank) if d not in offset_dims]
-  dims: list[tuple] = [()] * out_rank
-  for r, d in zip(_index_batch_dims(i.rank, ivd), batch_out):
-    dims[d] = i.dims[r]
-  for j, axes in enumerate(a.dims):
-    if axes and j != k and j not in batching:
-      if j in collapsed or sizes[j] != op.operand_types[0].shape[j]:
-        return
-      dims[offset_dims[window.index(j)]] = axes
-  local = a.local_shape(op.operand_types[0].shape, op.mesh)
-  if local is None:
+  found = _gather_result(op, a, i, {k} | {o for o, _ in pairs})
+  if found is None:
     return
-  local_sizes = tuple(local[j] if a.dims[j] and j != k and j not in batching else n
-                      for j, n in enumerate(sizes))
-  attrs = dict(op.attrs, slice_sizes=local_sizes)
+  attrs, dims = found
   attrs.update({LOCAL_OP: "gg.tile_gather",
                 "gg.tiles": tuple((x, op.mesh.axis_size(x)) for x in tiling)})
-  yield attrs, Layout(tuple(dims), tuple(sorted(set(a.partial) | set(tiling))), "sum", a.scale)
+  yield attrs, Layout(dims, tuple(sorted(set(a.partial) | set(tiling))), "sum", a.scale)
 
 
 def _batched(op: SeqOp, ls: Sequence[Layout]):
@@ -714,27 +712,9 @@ def _batched(op: SeqOp, ls: Sequence[Layout]):
     attrs = {k: v for k, v in op.attrs.items() if k not in ("gg.reduction", "gg.base_value")}
     yield attrs, a
     return
-  offset_dims, collapsed = dn.get("offset_dims", ()), dn.get("collapsed_slice_dims", ())
-  start_map, sizes = dn.get("start_index_map", ()), op.attrs["slice_sizes"]
-  batching = {o for o, _ in pairs}
-  window = [d for d in range(a.rank) if d not in collapsed and d not in batching]
-  out_rank = op.result_type.rank
-  batch_out = [d for d in range(out_rank) if d not in offset_dims]
-  dims: list[tuple] = [()] * out_rank
-  for j, d in zip(rows, batch_out):
-    dims[d] = i.dims[j]
-  for d, axes in enumerate(a.dims):
-    if axes and d not in batching:
-      if d in start_map or d in collapsed or sizes[d] != op.operand_types[0].shape[d]:
-        return
-      dims[offset_dims[window.index(d)]] = axes
-  local = a.local_shape(op.operand_types[0].shape, op.mesh)
-  if local is None:
-    return
-  local_sizes = tuple(local[d] if a.dims[d] and d not in batching else n
-                      for d, n in enumerate(sizes))
-  yield dict(op.attrs, slice_sizes=local_sizes), Layout(tuple(dims), a.partial, a.partial_kind,
-                                                         a.scale)
+  found = _gather_result(op, a, i, {o for o, _ in pairs})
+  if found is not None:
+    yield found[0], Layout(found[1], a.partial, a.partial_kind, a.scale)
 
 
 def _top_k(op: SeqOp, ls: Sequence[Layout]):
