@@ -19,6 +19,16 @@ from graphguard_hlo import ir
 from graphguard_hlo.reference import COMPARISONS
 
 
+def broadcast_scalar(v: ir.Value) -> ir.Value:
+  """The one-element value a splat-shaped ``v`` broadcasts or reshapes."""
+  op = v.producer
+  while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert") and \
+      math.prod(op.operands[0].shape) == 1:
+    v = op.operands[0]
+    op = v.producer
+  return v
+
+
 def rank_symbol(axis: str) -> sympy.Symbol:
   return sympy.Symbol(f"r_{axis}", integer=True, nonnegative=True)
 

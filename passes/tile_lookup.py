@@ -43,7 +43,7 @@ from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.canonicalize import canonical_local_op
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.egraph import ENode
-from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
+from graphguard_hlo.passes.rank_arith import RankArithmetic, broadcast_scalar, rank_symbol
 from graphguard_hlo.reference import COMPARISONS, dimension_numbers
 
 MAX_LANES = 1 << 22  # |x| * V index values checked one by one
@@ -98,11 +98,7 @@ class _Lanes:
         return None
       c = np.array(int(splat), np.int64)
       return c, c
-    scalar = v
-    while scalar.producer is not None and math.prod(scalar.shape) != 1 and \
-        scalar.producer.name in ("broadcast_in_dim", "reshape", "convert") and \
-        math.prod(scalar.producer.operands[0].shape) == 1:
-      scalar = scalar.producer.operands[0]
+    scalar = broadcast_scalar(v)
     expr = self.arith.value(scalar) if math.prod(scalar.shape) == 1 else None
     if expr is None or not expr.free_symbols <= set(self.at):
       return None

@@ -39,7 +39,7 @@ from graphguard_hlo.ir import axis_base, rotated_axis
 from graphguard_hlo.reference import COMPARISONS
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.layout import Layout
-from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
+from graphguard_hlo.passes.rank_arith import RankArithmetic, broadcast_scalar, rank_symbol
 from graphguard_hlo.passes.unit_dims import lower_lifted, only_unit_dims_change, unit_dim_lifts
 
 
@@ -105,7 +105,7 @@ class Transfer:
         if iota_v.producer is None or iota_v.producer.name != "iota":
           iota_v, off_v = off_v, iota_v
         size = iota_v.shape[iota_v.producer.attrs["iota_dimension"]]
-        turn = self.arith.rotated_tile(self._broadcast_scalar(off_v), size)
+        turn = self.arith.rotated_tile(broadcast_scalar(off_v), size)
         if turn is not None and turn[1]:  # (turned: a plain r * size is no ring)
           offsets.add(turn[0])
       self._rings = ring_axes(self.graph, self.mesh) | frozenset(offsets)
@@ -330,10 +330,7 @@ class Transfer:
     """(x, T) if ``pred`` is a splat of ``compare(e1, e2)`` over rank
     arithmetic that depends on the mesh coordinate r_x only: T the r_x where
     it holds."""
-    op = pred.producer
-    while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert") and \
-        math.prod(op.operands[0].shape) == 1:
-      op = op.operands[0].producer
+    op = broadcast_scalar(pred).producer
     if op is None or op.name != "compare" or math.prod(op.results[0].shape) != 1:
       return None
     a, b = (self.arith.value(v) for v in op.operands)
@@ -602,7 +599,7 @@ class Transfer:
       local = op.results[0].type.shape
       if len(local) != len(seq_type.shape):
         continue
-      scalar = self._broadcast_scalar(off_v)
+      scalar = broadcast_scalar(off_v)
       expr = self.arith.value(scalar)
       axes = None if expr is None else self.tile_axes(expr, local[k], set())
       if axes is None:
@@ -619,11 +616,3 @@ class Transfer:
         continue
       yield self.deg.of(op.results[0]), Layout(tuple(dims))
 
-  def _broadcast_scalar(self, v: ir.Value) -> ir.Value:
-    """The one-element value a splat-shaped ``v`` broadcasts or reshapes."""
-    op = v.producer
-    while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert") and \
-        math.prod(op.operands[0].shape) == 1:
-      v = op.operands[0]
-      op = v.producer
-    return v
