@@ -79,6 +79,7 @@ UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "round_nearest_even": np.round, "round_nearest_afz": _round_afz,
     "is_finite": np.isfinite, "not": np.invert,  # logical on i1, bitwise on ints
     "erf": np.vectorize(math.erf, otypes=[np.float64]),
+    "chlo.square": np.square,
 }
 
 BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {

@@ -19,6 +19,8 @@ before anything is compared:
   broadcast(x) + broadcast(scalar), ints  -> broadcast(x + broadcast(scalar))
   clamp(a, broadcast(x), b), units only   -> broadcast(clamp(a', x, b'))
   select(p, true, false)                  -> p
+  chlo.square(x)                          -> x * x
+  select(scalar p, x, y), x not scalar    -> select(broadcast(p), x, y)
   transpose moving only unit dims         -> reshape
   transpose(all_to_all(x, k -> k), p)     -> reshape(transpose(all_to_all(x, k -> c), p))
   all_to_all(reshape(v), k -> c)          -> reshape(all_to_all(v, s -> c'))
@@ -328,6 +330,28 @@ def _select_of_true_false(module, graph, op) -> Optional[ir.Value]:
   return None
 
 
+def _square_as_product(module, graph, op) -> Optional[ir.Value]:
+  """chlo.square(x) -> x * x: ``jnp.square`` lowers to chlo's op, which XLA
+  expands to a multiply (optax's global norm squares every gradient)."""
+  if op.name != "chlo.square":
+    return None
+  x = op.operands[0]
+  return _emit(module, graph, op, "multiply", [x, x], {})
+
+
+def _select_of_scalar_predicate(module, graph, op) -> Optional[ir.Value]:
+  """select(p, x, y) with a scalar p and tensors x, y -> select(broadcast(p), x, y):
+  StableHLO allows the scalar (optax's clip selects every gradient on one
+  flag), HLO does not, and XLA broadcasts it."""
+  if op.name != "select" or op.operands[0].type.rank != 0 or op.results[0].type.rank == 0:
+    return None
+  p = op.operands[0]
+  spread = _fresh(module, "broadcast_in_dim", [p], {"broadcast_dimensions": ()},
+                  op.results[0].shape, p.type.dtype, op.location)
+  return _emit(module, graph, op, "select",
+               [_simplified_and_placed(module, graph, spread), *op.operands[1:]], {})
+
+
 def _a2a_group_size(op: ir.Op) -> Optional[int]:
   n = op.attrs.get("split_count")
   if not n:
@@ -453,7 +477,7 @@ PATTERNS: tuple[Pattern, ...] = (
     _transpose_through_all_reduce,
     _broadcast_expanding_units,
     _iota_as_broadcast, _add_zero, _offset_before_broadcast, _clamp_before_unit_broadcast,
-    _select_of_true_false,
+    _select_of_true_false, _square_as_product, _select_of_scalar_predicate,
     _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims)
 
 # Where the per-device program passes blocks round a ring (ring attention):

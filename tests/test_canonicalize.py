@@ -276,6 +276,30 @@ def test_select_of_true_and_false_is_the_predicate(t, f, folds):
   np.testing.assert_array_equal(_run(g, [x, x.T])[0], before[0])
 
 
+def test_square_is_a_product():
+  """jnp.square lowers to chlo.square; XLA writes x * x."""
+  m, g = _graph([_t(3, 4)])
+  g.results = [_op(m, g, "chlo.square", g.params, _t(3, 4))]
+  _check(m, g, [np.arange(-6.0, 6.0).reshape(3, 4)], ["multiply"])
+  assert g.ops[0].operands == [g.params[0], g.params[0]]
+
+
+def test_select_of_a_scalar_predicate_broadcasts_it():
+  """optax's clip selects each gradient on one flag; HLO broadcasts it first."""
+  x, y = np.arange(12.0).reshape(3, 4), -np.arange(12.0).reshape(3, 4)
+  for flag in (True, False):
+    m, g = _graph([_t(dtype="pred"), _t(3, 4), _t(3, 4)])
+    g.results = [_op(m, g, "select", g.params, _t(3, 4))]
+    _check(m, g, [np.array(flag), x, y], ["broadcast_in_dim", "select"])
+    assert g.ops[0].results[0].type == _t(3, 4, dtype="pred")
+
+
+def test_select_of_scalars_is_left_alone():
+  m, g = _graph([_t(dtype="pred"), _t(), _t()])
+  g.results = [_op(m, g, "select", g.params, _t())]
+  assert canonicalize_graph(m, g) == 0
+
+
 # -- all-to-alls as XLA writes them (split dim = concat dim) ---------------------------
 
 def _run_ranks(g: ir.Graph, inputs, ranks: int):
