@@ -37,6 +37,7 @@ from graphguard_hlo.ir import axis_base, axis_shift
 from graphguard_hlo.passes.lemmas import (ELEMENTWISE, SeqOp, Step, apply_lemmas, dot_tiling,
                                           is_modelled)
 from graphguard_hlo.passes.rank_arith import RankArithmetic
+from graphguard_hlo.passes.sums import SumRegrouping
 from graphguard_hlo.passes.tile_lookup import recognize_tile_lookups
 from graphguard_hlo.passes.transfer import Transfer
 
@@ -143,6 +144,7 @@ class RelationInference:
     self.splats: dict[int, float] = {}
     self.input_layouts = input_layouts or dist.param_layouts
     self.lookups = 0
+    self.sums = SumRegrouping(self)
 
   # -- relations ---------------------------------------------------------------
   def add_relation(self, s: ir.Value, rel: Relation) -> None:
@@ -213,8 +215,12 @@ class RelationInference:
   def describe(self, s: ir.Value) -> list[str]:
     if s.id in self.splats:
       return [f"constant splat {self.splats[s.id]:g}"]
-    return [f"{r.layout.describe(_value_name(self.deg.value(r.cls)))} [{r.how}]"
-            for r in self.relations.get(s.id, [])]
+    return [f"{r.layout.describe(self.value_name(r.cls))} [{r.how}]"
+            for r in self.relations.get(s.id, [])] + self.sums.describe(s)
+
+  def value_name(self, cls: int) -> str:
+    """A per-device value of e-class ``cls``, as reports name it."""
+    return _value_name(self.deg.value(cls))
 
   # -- driver ------------------------------------------------------------------
   @without_cyclic_gc
@@ -240,12 +246,23 @@ class RelationInference:
       if self.on_progress is not None:
         self.on_progress(self.processed)
       unrelated = [r for r in op.results if r.id not in self.splats
-                   and not self.whole_relations(r)]
+                   and not self.whole_relations(r) and not self.sums.is_sum(r)]
+      if unrelated and self.sums.origin(op.operands) is not None:
+        return self._sum_failure(op.operands)
       if unrelated and op.name == "while" and self.loop_failure is not None:
         return self.loop_failure
       if unrelated:
         return diagnose_op(self, op)
     return None
+
+  def _sum_failure(self, values) -> Failure:
+    """A sum (``sums.py``) that never came together, reported at the add that
+    began it."""
+    from graphguard_hlo.passes.diagnose import diagnose_op
+    failure = diagnose_op(self, self.sums.origin(values))
+    why = self.sums.explain(values)
+    return dataclasses.replace(failure, diagnosis=f"{why}; {failure.diagnosis}" if why
+                               else failure.diagnosis)
 
   def relates(self, s: ir.Value, d: ir.Value, layout: Layout) -> bool:
     """Is ``s ~ layout of d`` known (splats: d is the same splat)?"""
@@ -320,6 +337,8 @@ class RelationInference:
             self.add_relation(result, Relation(cls, step.layout, step.lemma))
     if self.transfer.rings and op.name in ("reduce", "dot_general"):
       self._ring_folds(op, seq_op)
+    if op.name == "add" and not self.whole_relations(op.results[0]):
+      self.sums.regroup_add(op)
 
   # -- rings: a reduction over the blocks a ring visits --------------------------
   _FOLD = {"sum": "add", "max": "maximum", "min": "minimum"}
@@ -496,10 +515,12 @@ class RelationInference:
     return None
 
   def _with_identity(self, op: ir.Op) -> None:
-    """max(s, -inf) and min(s, +inf) are s (``jnp.max(..., initial=-inf)``):
-    they relate wherever s does.  Read here rather than canonicalized away,
-    since either program may hold the constant as a loop's invariant carry."""
-    identity = {"maximum": -math.inf, "minimum": math.inf}.get(op.name)
+    """max(s, -inf), min(s, +inf) and s + 0 are s (``jnp.max(..., initial=-inf)``;
+    optax squares a real gradient's imaginary part, zeros, and adds it): they
+    relate wherever s does.  Read here rather than canonicalized away, since
+    either program may hold the constant as a loop's invariant carry, or
+    compute it (0 * 0)."""
+    identity = {"maximum": -math.inf, "minimum": math.inf, "add": 0.0}.get(op.name)
     if identity is None or len(op.operands) != 2:
       return
     for s, other in (op.operands, op.operands[::-1]):
@@ -541,8 +562,44 @@ class RelationInference:
         if not rels:
           return
         choices.append([(r, r.layout) for r in rels])
+    if op.name in ELEMENTWISE:
+      for k, v in enumerate(op.operands):
+        if v.id not in self.splats:
+          choices[k] = choices[k] + self._scalar_broadcast_tilings(v, choices, k)
     for combo in itertools.islice(itertools.product(*choices), MAX_COMBINATIONS):
       yield self._adopt_splat_layouts(op, list(combo))
+
+  def _scalar_broadcast_tilings(self, v: ir.Value, choices, k: int) -> list:
+    """A replicated scalar broadcast to ``v`` is every rank's tile under any
+    tiling: give it the tilings of its neighbours in an elementwise op.  Its
+    lemma's tilings of the new dims are many (every order of every subset of
+    the axes per dim) and are cut at MAX_RELATIONS_PER_VALUE, so the one a
+    neighbour needs may be missing (optax's clip divides every gradient, tiled
+    its own way, by the broadcast global norm)."""
+    p = v.producer
+    if p is None or p.name != "broadcast_in_dim" or p.operands[0].type.rank != 0:
+      return []
+    scalars = [r for r in self.whole_relations(p.operands[0]) if r.layout.is_plain()
+               and r.layout.is_clean() and not r.layout.partial and not r.layout.at]
+    known = {(r.cls, l) for r, l in choices[k] if r != "splat"}
+    out = []
+    for j, choice in enumerate(choices):
+      for r, l in choice if j != k else ():
+        if l is None or l.rank != v.type.rank or not l.is_plain():
+          continue
+        tiling = Layout(l.dims)
+        local = tiling.local_shape(v.shape, self.mesh)
+        if local is None:
+          continue
+        head = terms.op_head("broadcast_in_dim", {"broadcast_dimensions": ()},
+                             ir.TensorType(local, v.type.dtype))
+        for scalar in scalars:
+          self.lookups += 1
+          cls = self.deg.lookup(head, (scalar.cls,))
+          if cls is not None and (cls, tiling) not in known:
+            known.add((cls, tiling))
+            out.append((Relation(cls, tiling, "broadcast-of-replicated-scalar"), tiling))
+    return out
 
   def _splat_tilings(self, v: ir.Value) -> list[Layout]:
     """The tilings of splat ``v`` whose tile the per-device program holds as a
@@ -625,6 +682,8 @@ class RelationInference:
       ok = [r for r in self.plain_relations(s) if r.cls == target and r.layout.is_clean()
             and not r.layout.partial and not r.layout.at
             and (declared is None or r.layout == declared)]
+      if not ok and self.sums.origin([s]) is not None:
+        return Result("not_proved", outputs, self._sum_failure([s]), self._stats(processed))
       if not ok:
         from graphguard_hlo.passes.diagnose import diagnose_output
         failure = diagnose_output(self, i, s, d, declared)
