@@ -55,6 +55,9 @@ class Case:
   bug_primitive: Optional[str]
   out_shardings: Any = None
   in_shardings: Any = None
+  # Arguments drawn as magnitudes by the numeric checks (Adam's second
+  # moments: a negative one is no state Adam can be in, and its sqrt is NaN).
+  nonnegative_args: tuple[int, ...] = ()
 
   @property
   def program(self) -> str:

@@ -17,8 +17,8 @@ def random_inputs(case: Case, seed: int = 0) -> list[np.ndarray]:
   """Global inputs drawn from N(0, 0.5^2): small enough that tanh, softmax
   and the norms stay out of saturation, where bugs could hide."""
   rng = np.random.default_rng(seed)
-  return [(0.5 * rng.standard_normal(a.shape)).astype(a.dtype)
-          for a in case.seq_args]
+  drawn = [(0.5 * rng.standard_normal(a.shape)).astype(a.dtype) for a in case.seq_args]
+  return [np.abs(x) if i in case.nonnegative_args else x for i, x in enumerate(drawn)]
 
 
 def _jit_dist(case: Case):

@@ -74,6 +74,7 @@ import numpy as np
 from jax import lax, shard_map
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tools.zoo import training
 from tools.zoo.cases import Case, mesh_of
 from tools.zoo.models import (MODELS, Config, Parallel, arg_shapes, base_name, is_stacked,
                               loss_fn, param_specs, repeat_kv, run_stack_in_order,
@@ -888,6 +889,58 @@ def _sgd(value_and_grad):
   return step
 
 
+def _split_axes(spec: P) -> tuple[str, ...]:
+  """The mesh axes a PartitionSpec splits its tensor over."""
+  return tuple(a for entry in spec if entry is not None
+               for a in (entry if isinstance(entry, tuple) else (entry,)))
+
+
+def _adamw_case(model, strategy, cfg, style, variant="ok", clip=None, bug=None,
+                bug_primitive=None, check_vma=True) -> Case:
+  """One training step as users run it (``training.py``): value_and_grad, optax's
+  ``clip_by_global_norm``, ``adamw``; returns the loss, the new parameters and
+  the new optimizer state (Adam's moments sharded like their parameters).
+  ``clip(split axes per parameter)``: the shard_map program's clipping
+  transformation (default: the global norm rebuilt from the tiles)."""
+  cfg = _cfg(strategy, cfg)
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  n_params = len(param_specs(model, cfg))
+  specs = _specs(model, strategy, cfg)
+  tx_seq = training.optimizer()
+  leaves, state_tree = training.state_leaves(tx_seq, arg_shapes(model, cfg)[2:])
+  owners = training.leaf_param_index(tx_seq, n_params)
+  state_specs = tuple(P() if i is None else specs[2 + i] for i in owners)
+  seq_fn = _named(training.train_step(_loss_and_grads(_seq_fn(model, cfg), n_params), tx_seq,
+                                      n_params, state_tree),
+                  _ident(model, strategy.name, "adamw_seq"))
+  seq_args = _seq_args(model, cfg) + [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in leaves]
+  dist_args = _dist_args(model, cfg, mesh, specs) + [
+      jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=NamedSharding(mesh, s))
+      for l, s in zip(leaves, state_specs)]
+  out_specs = (P(), tuple(specs[2:]), state_specs)
+  nonnegative = tuple(2 + n_params + i for i in training.second_moment_leaves(
+      tx_seq, arg_shapes(model, cfg)[2:]))
+  name = f"{model}/{strategy.name}_adamw/{style}/{variant}"
+  if style == "gspmd":
+    shard = lambda s: NamedSharding(mesh, s)
+    return Case(name=name, seq_fn=seq_fn, dist_fn=seq_fn, seq_args=seq_args,
+                dist_args=dist_args, mesh=mesh, style="gspmd", bug=None, bug_primitive=None,
+                out_shardings=jax.tree.map(shard, out_specs),
+                in_shardings=tuple(shard(s) for s in specs + state_specs),
+                nonnegative_args=nonnegative)
+  split = [_split_axes(s) for s in specs[2:]]
+  tx_dist = training.optimizer((clip or training.clip_by_sharded_global_norm)(
+      training.MAX_GRAD_NORM, split))
+  local = loss_fn(model, cfg, strategy.par(), name=_ident(model, strategy.name, "adamw"))
+  dist_fn = shard_map(training.train_step(_loss_and_grads(local, n_params), tx_dist, n_params,
+                                          state_tree),
+                      mesh=mesh, in_specs=specs + state_specs, out_specs=out_specs,
+                      check_vma=check_vma)
+  return Case(name=name, seq_fn=seq_fn, dist_fn=dist_fn, seq_args=seq_args,
+              dist_args=dist_args, mesh=mesh, style="shard_map", bug=bug,
+              bug_primitive=bug_primitive, nonnegative_args=nonnegative)
+
+
 @functools.cache
 def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built = []
@@ -1116,6 +1169,23 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_shard_map_grad_case(model, _STRATEGIES["dp"], cfg, "grad_not_allreduced",
                                         check_vma=False, bug="grad_not_allreduced",
                                         bug_primitive="output"))
+    # One training step as users run it: optax's clip_by_global_norm, then
+    # adamw.  Under shard_map the global norm is rebuilt from the tiles
+    # (training.py), in another order than optax's sum over the parameters.
+    for model in MODELS:
+      built.append(_adamw_case(model, _STRATEGIES["dp_tp"], cfg, "shard_map"))
+      built.append(_adamw_case(model, _STRATEGIES["dp_tp"], cfg, "gspmd"))
+      built.append(_adamw_case(model, PP, cfg, "shard_map"))
+      built.append(_adamw_case(model, FSDP, cfg, "gspmd"))
+    built.append(_adamw_case("llama3", EP, cfg, "gspmd"))
+    # Every tensor's squares psum'd over the split axes, the replicated
+    # tensors' too: each is counted once per rank.  The add that first meets
+    # a split tensor's squares is the first sum no rank forms.
+    for model, strategy in (("llama3", _STRATEGIES["dp_tp"]), ("gpt2", PP)):
+      built.append(_adamw_case(model, strategy, cfg, "shard_map", "norm_counts_replicas",
+                               clip=functools.partial(training.clip_by_sharded_global_norm,
+                                                      count_replicas=True),
+                               bug="norm_counts_replicas", bug_primitive="add"))
   return tuple(built)
 
 
@@ -1140,15 +1210,16 @@ def get(name: str, cfg: Optional[Config] = None) -> Case:
 def model_inputs(case: Case, seed: int = 0) -> list[np.ndarray]:
   """Global inputs: token ids and labels uniform over the vocabulary (read
   off the first parameter, the embedding table), parameters N(0, 0.5^2) as
-  ``numeric.random_inputs``."""
+  ``numeric.random_inputs`` (magnitudes for ``case.nonnegative_args``)."""
   rng = np.random.default_rng(seed)
   vocab = case.seq_args[2].shape[0]
   out = []
-  for a in case.seq_args:
+  for i, a in enumerate(case.seq_args):
     if jnp.issubdtype(a.dtype, jnp.integer):
       out.append(rng.integers(0, vocab, a.shape).astype(a.dtype))
     else:
-      out.append((0.5 * rng.standard_normal(a.shape)).astype(a.dtype))
+      x = (0.5 * rng.standard_normal(a.shape)).astype(a.dtype)
+      out.append(np.abs(x) if i in case.nonnegative_args else x)
   return out
 
 
