@@ -248,14 +248,14 @@ class RelationInference:
       unrelated = [r for r in op.results if r.id not in self.splats
                    and not self.whole_relations(r) and not self.sums.is_sum(r)]
       if unrelated and self.sums.origin(op.operands) is not None:
-        return self._sum_failure(op.operands)
+        return self.sum_failure(op.operands)
       if unrelated and op.name == "while" and self.loop_failure is not None:
         return self.loop_failure
       if unrelated:
         return diagnose_op(self, op)
     return None
 
-  def _sum_failure(self, values) -> Failure:
+  def sum_failure(self, values) -> Failure:
     """A sum (``sums.py``) that never came together, reported at the add that
     began it."""
     from graphguard_hlo.passes.diagnose import diagnose_op
@@ -683,7 +683,7 @@ class RelationInference:
             and not r.layout.partial and not r.layout.at
             and (declared is None or r.layout == declared)]
       if not ok and self.sums.origin([s]) is not None:
-        return Result("not_proved", outputs, self._sum_failure([s]), self._stats(processed))
+        return Result("not_proved", outputs, self.sum_failure([s]), self._stats(processed))
       if not ok:
         from graphguard_hlo.passes.diagnose import diagnose_output
         failure = diagnose_output(self, i, s, d, declared)
