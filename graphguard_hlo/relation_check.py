@@ -94,8 +94,38 @@ def check_relations(inference, seed: int = 0) -> RelationCheck:
       out.checked += 1
       if problem:
         out.failures.append(f"{_name(s)} ~ {r.layout.describe(_name(d))} [{r.how}]: {problem}")
+  _check_pieces(inference, seq_values, seq_env, dist_env, members, coords, out)
   _check_classes(members, dist_env, out)
   return out
+
+
+def _check_pieces(inference, seq_values, seq_env, dist_env, members, coords,
+                  out: RelationCheck) -> None:
+  """Each microbatch piece of a split value (``passes/pieces.py``) against the
+  rows of the sequential value it stands for: piece m of every rank's tile
+  along the split dim, rank by rank."""
+  mesh = inference.mesh
+  for sid, split in inference.pieces.splits.items():
+    s = seq_values.get(sid)
+    if s is None or sid not in seq_env:
+      continue
+    whole = np.asarray(seq_env[sid][0])
+    tile = sum(split.sizes)
+    offsets = np.cumsum((0,) + split.sizes)
+    for m, term in enumerate(split.terms):
+      rows = [j * tile + r for j in range(whole.shape[split.dim] // tile)
+              for r in range(offsets[m], offsets[m + 1])]
+      want = np.take(whole, rows, axis=split.dim)
+      for r in inference.relations.get(term.id, ()):
+        d = members.get(inference.deg.find(r.cls), [None])[0]
+        if d is None or d.id not in dist_env:
+          out.unknown += 1
+          continue
+        problem = _relation_problem(term, want, r.layout, dist_env[d.id], mesh, coords)
+        out.checked += 1
+        if problem:
+          out.failures.append(f"piece {m} of {_name(s)} ~ {r.layout.describe(_name(d))} "
+                              f"[{r.how}]: {problem}")
 
 
 def _relation_problem(s: ir.Value, want: np.ndarray, layout: Layout, per_rank: list,

@@ -36,6 +36,7 @@ from graphguard_hlo.passes.layout import Layout, tilings_with_local_shape
 from graphguard_hlo.ir import axis_base, axis_shift
 from graphguard_hlo.passes.lemmas import (ELEMENTWISE, SeqOp, Step, apply_lemmas, dot_tiling,
                                           is_modelled)
+from graphguard_hlo.passes.pieces import Pieces
 from graphguard_hlo.passes.rank_arith import RankArithmetic
 from graphguard_hlo.passes.sums import SumRegrouping
 from graphguard_hlo.passes.tile_lookup import recognize_tile_lookups
@@ -145,6 +146,12 @@ class RelationInference:
     self.input_layouts = input_layouts or dist.param_layouts
     self.lookups = 0
     self.sums = SumRegrouping(self)
+    self.pieces = Pieces(self)
+    self._next_term_id = -1
+    # Values left unrelated on purpose (a sum not yet brought together, a
+    # broadcast pieces may take in their own shapes): the op to report if a
+    # reader needs them whole.
+    self.deferred: dict[int, ir.Op] = {}
 
   # -- relations ---------------------------------------------------------------
   def add_relation(self, s: ir.Value, rel: Relation) -> None:
@@ -158,6 +165,7 @@ class RelationInference:
       if len(known) >= MAX_RELATIONS_PER_VALUE:
         return
       known.append(r)
+      self.pieces.cut(s, r)
       summed = r.layout.summed_over_pins()
       if summed is not None:
         work.append(Relation(r.cls, summed, "zero-elsewhere"))
@@ -216,7 +224,15 @@ class RelationInference:
     if s.id in self.splats:
       return [f"constant splat {self.splats[s.id]:g}"]
     return [f"{r.layout.describe(self.value_name(r.cls))} [{r.how}]"
-            for r in self.relations.get(s.id, [])] + self.sums.describe(s)
+            for r in self.relations.get(s.id, [])] + self.sums.describe(s) + \
+        self.pieces.describe(s)
+
+  def new_term(self, type: ir.TensorType) -> ir.Value:
+    """A value of no program: a sequential tensor ``sums.py`` or ``pieces.py``
+    relates on its own (a negative id, never a sequential value's)."""
+    term = ir.Value(self._next_term_id, type)
+    self._next_term_id -= 1
+    return term
 
   def value_name(self, cls: int) -> str:
     """A per-device value of e-class ``cls``, as reports name it."""
@@ -242,24 +258,38 @@ class RelationInference:
       self.processed += 1
       if not is_modelled(op.name):
         self.opaque_ops.append(op)
-      self._step(op)
+      self.step(op)
       if self.on_progress is not None:
         self.on_progress(self.processed)
       unrelated = [r for r in op.results if r.id not in self.splats
-                   and not self.whole_relations(r) and not self.sums.is_sum(r)]
-      if unrelated and self.sums.origin(op.operands) is not None:
-        return self.sum_failure(op.operands)
+                   and not self.whole_relations(r) and r.id not in self.deferred
+                   and not self.pieces.has(r)]
+      if unrelated and self.deferred_origin(op.operands) is not None:
+        return self.deferred_failure(op.operands)
+      if unrelated and self.pieces.splits and op.name == "broadcast_in_dim" and (
+          self.whole_relations(op.operands[0]) or op.operands[0].id in self.splats):
+        # Pieces read a broadcast in their own shapes (a one-hot's iota).
+        self.defer(op.results[0], op)
+        continue
       if unrelated and op.name == "while" and self.loop_failure is not None:
         return self.loop_failure
       if unrelated:
         return diagnose_op(self, op)
     return None
 
-  def sum_failure(self, values) -> Failure:
-    """A sum (``sums.py``) that never came together, reported at the add that
-    began it."""
+  def defer(self, v: ir.Value, origin: ir.Op) -> None:
+    """Leave ``v`` unrelated for now; if a reader needs it whole, report the
+    op that began it (``origin``, or what its operands were deferred for)."""
+    self.deferred[v.id] = self.deferred_origin(origin.operands) or origin
+
+  def deferred_origin(self, values) -> Optional[ir.Op]:
+    return next((self.deferred[v.id] for v in values if v.id in self.deferred), None)
+
+  def deferred_failure(self, values) -> Failure:
+    """A deferred value a reader needed whole: a sum (``sums.py``) that never
+    came together, or a broadcast no piece took, reported where it began."""
     from graphguard_hlo.passes.diagnose import diagnose_op
-    failure = diagnose_op(self, self.sums.origin(values))
+    failure = diagnose_op(self, self.deferred_origin(values))
     why = self.sums.explain(values)
     return dataclasses.replace(failure, diagnosis=f"{why}; {failure.diagnosis}" if why
                                else failure.diagnosis)
@@ -298,7 +328,7 @@ class RelationInference:
                          f"but the distributed parameter is {d.type}")
       self.add_relation(s, Relation(self.deg.of(d), layout, "input"))
 
-  def _step(self, op: ir.Op) -> None:
+  def step(self, op: ir.Op) -> None:
     if op.name == "while":
       from graphguard_hlo.passes.loops import prove_loop
       for result, rel in prove_loop(self, op):
@@ -337,7 +367,13 @@ class RelationInference:
             self.add_relation(result, Relation(cls, step.layout, step.lemma))
     if self.transfer.rings and op.name in ("reduce", "dot_general"):
       self._ring_folds(op, seq_op)
-    if op.name == "add" and not self.whole_relations(op.results[0]):
+    if len(op.results) == 1 and not self.whole_relations(op.results[0]):
+      self.pieces.apply(op)
+    if len(op.results) == 1 and not self.whole_relations(op.results[0]) \
+        and not self.pieces.has(op.results[0]):
+      self.sums.apply_linear(op)
+    if op.name == "add" and not self.whole_relations(op.results[0]) \
+        and not self.pieces.has(op.results[0]):
       self.sums.regroup_add(op)
 
   # -- rings: a reduction over the blocks a ring visits --------------------------
@@ -681,9 +717,10 @@ class RelationInference:
           continue
       ok = [r for r in self.plain_relations(s) if r.cls == target and r.layout.is_clean()
             and not r.layout.partial and not r.layout.at
-            and (declared is None or r.layout == declared)]
-      if not ok and self.sums.origin([s]) is not None:
-        return Result("not_proved", outputs, self.sum_failure([s]), self._stats(processed))
+            and (declared is None or r.layout.with_(scale=1.0) == declared)]
+      if not ok and self.deferred_origin([s]) is not None:
+        return Result("not_proved", outputs, self.deferred_failure([s]),
+                      self._stats(processed))
       if not ok:
         from graphguard_hlo.passes.diagnose import diagnose_output
         failure = diagnose_output(self, i, s, d, declared)

@@ -117,7 +117,7 @@ def _inductive_invariant(inf, op: ir.Op, loop: ir.Op, hypotheses: list[CarryMatc
       m = next(m for m in current if m.seq_index == k)
       s, d = seq_body.results[k], dist_body.results[m.dist_index]
       # A sum that never came together is reported where it began (sums.py).
-      f = body.sum_failure([s]) if body.sums.origin([s]) is not None else \
+      f = body.deferred_failure([s]) if body.deferred_origin([s]) is not None else \
           diagnose_output(body, k, s, d, m.layout)
       f.diagnosis = (f"loop carry {k} does not keep its relation "
                      f"{m.layout.describe('carry')} across one iteration: " + f.diagnosis)

@@ -9,7 +9,8 @@ per-device value: it is a partial sum over "tp" plus a replica, which no
 layout is.
 
 Such a sequential value is related as a *sum of terms*: a list of summands,
-each a sequential value or a merged term, with its own relations.  Two terms
+each a sequential value or a term (``RelationInference.new_term``: a merge of
+two, or a microbatch's share, ``pieces.py``) with its own relations.  Two terms
 merge when their relations have the same layout and the per-device e-graph
 adds their classes (``L of a + L of b = L of (a + b)`` for one layout: each
 rank's tile is linear in what it holds, sums over the partial axes
@@ -29,7 +30,6 @@ orders of a sum.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Optional
 
@@ -39,18 +39,11 @@ from graphguard_hlo.passes import terms
 # Beyond this many unmerged terms a sum is given up on (not proved).
 MAX_TERMS = 64
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Term:
-  """A summand with no sequential value of its own: the merge of two terms.
-  Its relations live in the inference's table under ``id`` (negative, so
-  never a sequential value's)."""
-  id: int
-  type: ir.TensorType
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return self.type.shape
+# Ops linear in these operands: f(.., sum of t, ..) = sum of f(.., t, ..).  (A
+# reduce only when it sums from zero; a convert only between floats.)
+_LINEAR_IN = {"transpose": (0,), "reshape": (0,), "broadcast_in_dim": (0,), "negate": (0,),
+              "copy": (0,), "convert": (0,), "slice": (0,), "reduce": (0,),
+              "dot_general": (0, 1), "multiply": (0, 1), "divide": (0,)}
 
 
 class SumRegrouping:
@@ -59,15 +52,9 @@ class SumRegrouping:
   def __init__(self, inf) -> None:
     self.inf = inf
     self.sums: dict[int, list] = {}  # sequential value id -> its terms
-    self.origins: dict[int, ir.Op] = {}  # ... -> the add that began the sum
-    self._next_id = -1
 
   def is_sum(self, v: ir.Value) -> bool:
     return v.id in self.sums
-
-  def origin(self, values) -> Optional[ir.Op]:
-    """The add that began the first of ``values`` that is a sum, if any."""
-    return next((self.origins[v.id] for v in values if v.id in self.origins), None)
 
   def summands(self, v: ir.Value) -> Optional[list]:
     if v.id in self.sums:
@@ -82,7 +69,38 @@ class SumRegrouping:
     parts = [self.summands(v) for v in op.operands]
     if any(p is None for p in parts):
       return
-    merged = self._merge(parts[0] + parts[1])
+    self.start(op, parts[0] + parts[1])
+
+  def apply_linear(self, op: ir.Op) -> None:
+    """``op`` reads a sum in an operand it is linear in: its result is the sum
+    of ``op`` applied to each term (a weight gradient summed over microbatches,
+    then transposed, before the program adds the microbatches' up)."""
+    inf = self.inf
+    sums = [k for k, v in enumerate(op.operands) if v.id in self.sums]
+    if len(sums) != 1 or len(op.results) != 1 or sums[0] not in _LINEAR_IN.get(op.name, ()):
+      return
+    k = sums[0]
+    if op.name == "convert" and not (op.operands[0].type.dtype.startswith(("f", "bf"))
+                                     and op.results[0].type.dtype.startswith(("f", "bf"))):
+      return
+    if op.name == "reduce" and (inf.seq_op(op).attrs.get("gg.reduction") != "sum" or any(
+        inf.splats.get(v.id) != 0.0 for v in op.operands[1:])):
+      return
+    terms = []
+    for t in self.sums[op.operands[k].id]:
+      piece = ir.Op(op.name, [t if j == k else v for j, v in enumerate(op.operands)],
+                    op.attrs, op.regions, op.location)
+      piece.results = [inf.new_term(op.results[0].type)]
+      inf.step(piece)
+      if not inf.whole_relations(piece.results[0]):
+        return
+      terms.append(piece.results[0])
+    self.start(op, terms)
+
+  def start(self, op: ir.Op, summands: list) -> None:
+    """Relate ``op``'s result as the sum of ``summands`` (values or terms with
+    relations), merged as far as the per-device program adds them."""
+    merged = self._merge(summands)
     if len(merged) > MAX_TERMS:
       return
     result = op.results[0]
@@ -92,7 +110,7 @@ class SumRegrouping:
         self.inf.add_relation(result, Relation(r.cls, r.layout, "sum-regrouped"))
     else:
       self.sums[result.id] = merged
-      self.origins[result.id] = self.origin(op.operands) or op
+      self.inf.defer(result, op)
 
   def _merge(self, pending: list) -> list:
     pending = list(pending)
@@ -107,7 +125,7 @@ class SumRegrouping:
           break
     return pending
 
-  def _merged_pair(self, a, b) -> Optional[Term]:
+  def _merged_pair(self, a, b) -> Optional[ir.Value]:
     from graphguard_hlo.passes.inference import Relation
     inf = self.inf
     for ra, rb in itertools.product(inf.whole_relations(a), inf.whole_relations(b)):
@@ -122,8 +140,7 @@ class SumRegrouping:
       cls = inf.deg.lookup(head, (ra.cls, rb.cls))
       if cls is None:
         continue
-      term = Term(self._next_id, a.type)
-      self._next_id -= 1
+      term = inf.new_term(a.type)
       inf.add_relation(term, Relation(cls, ra.layout, "sum-regrouped"))
       return term
     return None

@@ -1,0 +1,306 @@
+"""Values the per-device program computes in pieces: microbatches.
+
+Gradient accumulation and pipeline schedules slice each rank's batch into
+microbatches, run the model on each, and put the results back together (a
+concatenate) or add them up (the loss and the weight gradients).  No
+per-device value is a tile of the sequential activations in between: each is
+a piece of a tile.
+
+A sequential value ``S`` that the per-device program slices along dim ``d``
+(static slices of a value related to ``S``, covering each rank's tile of
+``d``, which the relation tiles over axes ``A`` or not at all) is related as
+a *split*: pieces ``T_0 .. T_{M-1}``.  ``T_m`` is the sequential tensor made
+of the rows of ``S`` that are piece ``m`` of some rank's tile, rank by rank;
+the piece the device holds is its tile under the same layout.  The ``T_m``
+are genuine sequential tensors, so lemmas apply to them as to any value, and
+rows partition dim ``d``.  So:
+
+* an op that treats the rows of ``d`` independently (elementwise ops,
+  broadcasts, transposes, reshapes keeping ``d``, a dot or a reduce not
+  summing over ``d``) is applied piece by piece: ``f(S)``'s pieces are
+  ``f(T_m)``, each earned by the lemmas on the piece's own relations, and
+  operands split alike (the same dim, axes and piece sizes) pair up;
+* a sum over ``d`` (a reduce, a dot contracting it) is the sum over pieces of
+  the pieces' sums: a sum of terms (``sums.py``), which come together as
+  the per-device program adds them (the microbatches' losses, their weight
+  gradients);
+* the device concatenating the pieces along ``d``, in order, under a layout
+  tiling ``d`` over ``A`` again, holds its tile of ``S``.
+
+Anything else reading a split (a slice, a gather, a scan) is not proved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from graphguard_hlo import ir
+
+# Ops applied piece by piece along any dim they map one to one.
+_ROWWISE_ELEMENTWISE = frozenset({
+    "abs", "add", "and", "atan2", "cbrt", "ceil", "clamp", "compare", "convert",
+    "cosine", "divide", "exponential", "exponential_minus_one", "floor", "is_finite",
+    "log", "log_plus_one", "logistic", "maximum", "minimum", "multiply", "negate",
+    "not", "or", "power", "remainder", "round_nearest_afz", "round_nearest_even",
+    "rsqrt", "select", "sign", "sine", "sqrt", "subtract", "tan", "tanh", "xor", "erf"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """``S``'s pieces along ``dim``: ``axes`` tile that dim in the relation the
+  pieces were cut from, ``sizes`` are the pieces' sizes in each rank's tile."""
+  dim: int
+  axes: tuple[str, ...]
+  sizes: tuple[int, ...]
+  terms: tuple  # the pieces, ir.Values with their own relations
+
+  def moved(self, dim: int, terms) -> "Split":
+    return Split(dim, self.axes, self.sizes, tuple(terms))
+
+  def alike(self, other: "Split") -> bool:
+    return (self.dim, self.axes, self.sizes) == (other.dim, other.axes, other.sizes)
+
+
+def _dim_map(op: ir.Op, k: int, d: int) -> Optional[tuple[int, bool]]:
+  """Where dim ``d`` of operand ``k`` goes in the result, and whether the op
+  sums over it (then the result has no such dim); None: not row by row."""
+  name, attrs = op.name, op.attrs
+  src, dst = op.operands[k].type, op.results[0].type
+  if name in _ROWWISE_ELEMENTWISE:
+    return (d, False) if src.shape == dst.shape else None
+  if name == "concatenate":
+    return (d, False) if attrs["dimension"] != d else None
+  if name == "slice":
+    whole = (attrs["start_indices"][d], attrs["limit_indices"][d]) == (0, src.shape[d])
+    steps = attrs.get("strides") or (1,) * src.rank
+    return (d, False) if whole and steps[d] == 1 else None
+  if name == "pad" and k == 0:
+    edges = (attrs["edge_padding_low"][d], attrs["edge_padding_high"][d],
+             (attrs.get("interior_padding") or (0,) * src.rank)[d])
+    return (d, False) if edges == (0, 0, 0) else None
+  if name == "broadcast_in_dim":
+    e = tuple(attrs["broadcast_dimensions"])[d]
+    return (e, False) if dst.shape[e] == src.shape[d] else None
+  if name == "transpose":
+    return tuple(attrs["permutation"]).index(d), False
+  if name == "reshape":
+    before = math.prod(src.shape[:d])
+    for e, n in enumerate(dst.shape):
+      if math.prod(dst.shape[:e]) == before and n == src.shape[d]:
+        return e, False
+    return None
+  if name == "reduce" and k == 0:
+    dims = tuple(attrs["dimensions"])
+    if d in dims:
+      return None, True
+    return d - sum(1 for x in dims if x < d), False
+  if name == "dot_general":
+    lb, rb, lc, rc = (tuple(attrs[k]) for k in ("lhs_batch", "rhs_batch",
+                                                "lhs_contract", "rhs_contract"))
+    batch, contract = (lb, rb)[k], (lc, rc)[k]
+    if d in contract:
+      return None, True
+    if d in batch:
+      return batch.index(d), False
+    lhs_free = [i for i in range(op.operands[0].type.rank) if i not in lb + lc]
+    rhs_free = [i for i in range(op.operands[1].type.rank) if i not in rb + rc]
+    if k == 0:
+      return len(lb) + lhs_free.index(d), False
+    return len(lb) + len(lhs_free) + rhs_free.index(d), False
+  return None
+
+
+def _partner_dim(op: ir.Op, k: int, d: int, j: int) -> Optional[int]:
+  """The dim of operand ``j`` that pairs with dim ``d`` of operand ``k``
+  (the same dim of an elementwise op, the other side of a dot's batch or
+  contracting dim); None: operand ``j`` does not meet it."""
+  if op.name in _ROWWISE_ELEMENTWISE or op.name == "concatenate":
+    return d
+  if op.name == "dot_general":
+    sides = ((tuple(op.attrs["lhs_batch"]), tuple(op.attrs["rhs_batch"])),
+             (tuple(op.attrs["lhs_contract"]), tuple(op.attrs["rhs_contract"])))
+    for pair in sides:
+      if d in pair[k]:
+        return pair[j][pair[k].index(d)]
+  return None
+
+
+class Pieces:
+  """The splits of one inference run (``inf``: a ``RelationInference``)."""
+
+  def __init__(self, inf) -> None:
+    self.inf = inf
+    self.splits: dict[int, Split] = {}
+
+  def has(self, v: ir.Value) -> bool:
+    return v.id in self.splits
+
+  # -- cutting: slices of a related value --------------------------------------
+  def cut(self, s: ir.Value, rel) -> None:
+    """Static slices of ``rel``'s class that cover one dim of each rank's tile,
+    one per piece: ``s`` is split along that dim."""
+    inf = self.inf
+    if s.id in self.splits or s.id < 0 or not rel.layout.is_plain() or s.type.rank == 0:
+      return
+    local = rel.layout.local_shape(s.shape, inf.mesh)
+    if local is None:
+      return
+    by_dim: dict[int, list] = {}
+    for op in inf.users.get(rel.cls, ()):
+      if op.name != "slice" or inf.deg.of(op.operands[0]) != rel.cls:
+        continue
+      start, limit = tuple(op.attrs["start_indices"]), tuple(op.attrs["limit_indices"])
+      strides = tuple(op.attrs.get("strides") or (1,) * len(start))
+      cut = [i for i, (a, b) in enumerate(zip(start, limit)) if (a, b) != (0, local[i])]
+      if len(cut) != 1 or any(x != 1 for x in strides):
+        continue
+      by_dim.setdefault(cut[0], []).append((start[cut[0]], limit[cut[0]], op))
+    for d, cuts in sorted(by_dim.items()):
+      cuts = sorted(dict(((a, b), op) for a, b, op in cuts).items())
+      bounds = [ab for ab, _ in cuts]
+      if len(cuts) < 2 or bounds[0][0] != 0 or bounds[-1][1] != local[d] or any(
+          x[1] != y[0] for x, y in zip(bounds, bounds[1:])):
+        continue
+      axes = rel.layout.dims[d]
+      ranks = math.prod(inf.mesh.axis_size(a) for a in axes)
+      from graphguard_hlo.passes.inference import Relation
+      terms = []
+      for (a, b), op in cuts:
+        shape = list(s.shape)
+        shape[d] = (b - a) * ranks
+        term = inf.new_term(ir.TensorType(tuple(shape), s.type.dtype))
+        inf.add_relation(term, Relation(inf.deg.of(op.results[0]), rel.layout, "piece"))
+        terms.append(term)
+      self.splits[s.id] = Split(d, tuple(axes), tuple(b - a for a, b in bounds), tuple(terms))
+      return
+
+  # -- row by row ---------------------------------------------------------------
+  def apply(self, op: ir.Op) -> None:
+    """Relate ``op``'s result piece by piece (``op`` read a split and the
+    lemmas left its result unrelated)."""
+    inf = self.inf
+    if len(op.results) != 1 or op.regions and op.name != "reduce":
+      return
+    k = next((k for k, v in enumerate(op.operands) if v.id in self.splits), None)
+    if k is None:
+      return
+    split = self.splits[op.operands[k].id]
+    mapped = _dim_map(op, k, split.dim)
+    if mapped is None:
+      return
+    e, summed = mapped
+    # Every other operand: split alike along its partner dim, a splat, or
+    # (a dot's other side, a reduce's init) not meeting the dim at all.
+    per_operand = []
+    for j, v in enumerate(op.operands):
+      if j == k:
+        per_operand.append(split.terms)
+        continue
+      partner = _partner_dim(op, k, split.dim, j)
+      other = self.splits.get(v.id)
+      if partner is not None and other is not None:
+        # Pieces pair only if they are the same rows.  (Pieces cut otherwise
+        # differ in shape or layout, which the lemmas refuse too; kept explicit.)
+        if not other.alike(dataclasses.replace(split, dim=partner)):
+          return
+        per_operand.append(other.terms)
+      elif partner is not None and v.id in inf.splats:
+        per_operand.append(tuple(self._splat_piece(v, partner, t.shape[split.dim])
+                                 for t in split.terms))
+      elif partner is None and inf.whole_relations(v) or v.id in inf.splats:
+        per_operand.append((v,) * len(split.terms))
+      elif partner is not None and self._constant_along(v, partner):
+        pieces = tuple(self._broadcast_piece(v, partner, t.shape[split.dim])
+                       for t in split.terms)
+        if any(p is None for p in pieces):
+          return
+        per_operand.append(pieces)
+      else:
+        return
+    results = []
+    for m, operands in enumerate(zip(*per_operand)):
+      shape = list(op.results[0].shape)
+      if not summed:
+        shape[e] = split.terms[m].shape[split.dim]
+      attrs = op.attrs
+      if op.name == "slice":  # the piece's whole dim e
+        attrs = {**attrs, "limit_indices": tuple(
+            shape[e] if i == e else x for i, x in enumerate(attrs["limit_indices"]))}
+      piece = ir.Op(op.name, list(operands), attrs, op.regions, op.location)
+      piece.results = [inf.new_term(ir.TensorType(tuple(shape), op.results[0].type.dtype))]
+      inf.step(piece)
+      if not inf.whole_relations(piece.results[0]):
+        return
+      results.append(piece.results[0])
+    if summed:
+      inf.sums.start(op, results)
+    else:
+      self.splits[op.results[0].id] = split.moved(e, results)
+      self.join(op.results[0])
+
+  @staticmethod
+  def _constant_along(v: ir.Value, dim: int) -> bool:
+    """Is ``v`` a broadcast that does not vary along ``dim`` (a one-hot's
+    iota, a mask's rows)?"""
+    op = v.producer
+    if op is None or op.name != "broadcast_in_dim":
+      return False
+    dims = tuple(op.attrs["broadcast_dimensions"])
+    return dim not in dims or op.operands[0].shape[dims.index(dim)] == 1
+
+  def _broadcast_piece(self, v: ir.Value, dim: int, size: int) -> Optional[ir.Value]:
+    """The same broadcast to one piece's shape, related by the lemmas."""
+    op = v.producer
+    shape = list(v.shape)
+    shape[dim] = size
+    piece = ir.Op(op.name, list(op.operands), op.attrs, [], op.location)
+    piece.results = [self.inf.new_term(ir.TensorType(tuple(shape), v.type.dtype))]
+    self.inf.step(piece)
+    result = piece.results[0]
+    return result if self.inf.whole_relations(result) or result.id in self.inf.splats else None
+
+  def _splat_piece(self, v: ir.Value, dim: int, size: int) -> ir.Value:
+    shape = list(v.shape)
+    shape[dim] = size
+    term = self.inf.new_term(ir.TensorType(tuple(shape), v.type.dtype))
+    self.inf.splats[term.id] = self.inf.splats[v.id]
+    return term
+
+  # -- joining: the pieces concatenated back -----------------------------------
+  def join(self, s: ir.Value) -> None:
+    """The device concatenating ``s``'s pieces in order along the split dim,
+    under a layout tiling that dim as the cut did: its tile of ``s``."""
+    from graphguard_hlo.passes.inference import Relation
+    inf = self.inf
+    split = self.splits[s.id]
+    first = split.terms[0]
+    for r0 in inf.whole_relations(first):
+      if not r0.layout.is_plain() or tuple(r0.layout.dims[split.dim]) != split.axes:
+        continue
+      classes = []
+      for t in split.terms:
+        cls = next((r.cls for r in inf.whole_relations(t) if r.layout == r0.layout), None)
+        if cls is None:
+          break
+        classes.append(cls)
+      else:
+        for op in inf.users.get(r0.cls, ()):
+          if op.name == "concatenate" and op.attrs.get("dimension") == split.dim and [
+              inf.deg.of(v) for v in op.operands] == classes:
+            inf.add_relation(s, Relation(inf.deg.of(op.results[0]), r0.layout,
+                                         "pieces-concatenated"))
+
+  def describe(self, v: ir.Value) -> list[str]:
+    split = self.splits.get(v.id)
+    if split is None:
+      return []
+    inf = self.inf
+    parts = []
+    for t in split.terms:
+      rels = inf.whole_relations(t)
+      parts.append(" or ".join(r.layout.describe(inf.value_name(r.cls)) for r in rels[:2]))
+    return [f"in {len(parts)} pieces along dim {split.dim} the per-device program never "
+            f"puts together: " + ", ".join(f"[{p}]" for p in parts)]
+
