@@ -84,6 +84,7 @@ _DIAGNOSES: dict[str, str] = {
                                                          "is counted 4 times",
     "gpt2/pp_adamw/shard_map/norm_counts_replicas": "so summed over those ranks it is "
                                                     "counted 4 times",
+    "gpt2/dp_accum2/shard_map/not_divided": "2 times the sequential one",
 }
 
 # Where a bug's op is written: the model, or optax for the optimizer step's.

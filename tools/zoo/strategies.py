@@ -941,6 +941,47 @@ def _adamw_case(model, strategy, cfg, style, variant="ok", clip=None, bug=None,
               bug_primitive=bug_primitive, nonnegative_args=nonnegative)
 
 
+def _accumulated(value_and_grad, microbatches: int, divide: bool = True):
+  """Gradient accumulation: each rank's batch in ``microbatches`` slices, the
+  losses and gradients of each added up and divided by their number
+  (``divide=False``: the seeded bug, every gradient that many times too large)."""
+  def step(tokens, labels, *params):
+    n = tokens.shape[0] // microbatches
+    loss, grads = 0.0, None
+    for m in range(microbatches):
+      rows = slice(m * n, (m + 1) * n)
+      l, g = value_and_grad(tokens[rows], labels[rows], *params)
+      loss = loss + l
+      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    scale = np.float32(microbatches if divide else 1)
+    return loss / np.float32(microbatches), jax.tree.map(lambda g: g / scale, grads)
+  return step
+
+
+def _with_batch(strategy: _Strategy, batch: int) -> _Strategy:
+  return dataclasses.replace(strategy, cfg_overrides=tuple(
+      dict(strategy.cfg_overrides, batch=batch).items()))
+
+
+def _accumulation_case(model, strategy, cfg, microbatches=2, variant="ok", divide=True,
+                       bug=None, bug_primitive=None) -> Case:
+  """A training step with gradient accumulation inside shard_map: the
+  sequential step is ``value_and_grad`` on the whole batch."""
+  cfg = _cfg(strategy, cfg)
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  specs = _in_specs(model, strategy, cfg)
+  n_params = len(param_specs(model, cfg))
+  vg_seq = _loss_and_grads(_seq_fn(model, cfg), n_params)
+  local = loss_fn(model, cfg, strategy.par(), name=_ident(model, strategy.name, "accum"))
+  vg_local = _accumulated(_loss_and_grads(local, n_params), microbatches, divide)
+  name = f"{strategy.name}_accum{microbatches}"
+  dist_fn = shard_map(vg_local, mesh=mesh, in_specs=specs, out_specs=(P(), tuple(specs[2:])))
+  return Case(name=f"{model}/{name}/shard_map/{variant}",
+              seq_fn=_named(vg_seq, _ident(model, name, "seq")), dist_fn=dist_fn,
+              seq_args=_seq_args(model, cfg), dist_args=_dist_args(model, cfg, mesh, specs),
+              mesh=mesh, style="shard_map", bug=bug, bug_primitive=bug_primitive)
+
+
 @functools.cache
 def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built = []
@@ -1178,6 +1219,15 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_adamw_case(model, PP, cfg, "shard_map"))
       built.append(_adamw_case(model, FSDP, cfg, "gspmd"))
     built.append(_adamw_case("llama3", EP, cfg, "gspmd"))
+    # Gradient accumulation: each rank's batch in microbatches (slices), the
+    # losses and gradients added up and divided by their number; the bug
+    # forgets the division (every gradient that many times too large).
+    for model in MODELS:
+      for strategy, microbatches in ((_STRATEGIES["dp"], 2), (_STRATEGIES["dp_tp"], 4)):
+        built.append(_accumulation_case(model, _with_batch(strategy, 8), cfg, microbatches))
+    built.append(_accumulation_case("gpt2", _with_batch(_STRATEGIES["dp"], 8), cfg, 2,
+                                    "not_divided", divide=False, bug="grad_not_divided",
+                                    bug_primitive="output"))
     # Every tensor's squares psum'd over the split axes, the replicated
     # tensors' too: each is counted once per rank.  The add that first meets
     # a split tensor's squares is the first sum no rank forms.
