@@ -274,7 +274,10 @@ class RelationInference:
       if unrelated and op.name == "while" and self.loop_failure is not None:
         return self.loop_failure
       if unrelated:
-        return diagnose_op(self, op)
+        failure = diagnose_op(self, op)
+        why = self.pieces.explain(op)
+        return dataclasses.replace(failure, diagnosis=f"{why}; {failure.diagnosis}") \
+            if why else failure
     return None
 
   def defer(self, v: ir.Value, origin: ir.Op) -> None:

@@ -133,6 +133,10 @@ class Pieces:
   def __init__(self, inf) -> None:
     self.inf = inf
     self.splits: dict[int, Split] = {}
+    # id(op) -> (split dim, pieces, the pieces no per-device op computed)
+    self.missed: dict[int, tuple[int, int, list[int]]] = {}
+    # sequential value id -> (dim, the rows of each tile its slices cover, tile size)
+    self.partial_cuts: dict[int, tuple[int, list, int]] = {}
 
   def has(self, v: ir.Value) -> bool:
     return v.id in self.splits
@@ -162,6 +166,8 @@ class Pieces:
       bounds = [ab for ab, _ in cuts]
       if len(cuts) < 2 or bounds[0][0] != 0 or bounds[-1][1] != local[d] or any(
           x[1] != y[0] for x, y in zip(bounds, bounds[1:])):
+        if len(cuts) > 1 and all(b - a == bounds[0][1] - bounds[0][0] for a, b in bounds):
+          self.partial_cuts.setdefault(s.id, (d, bounds, local[d]))  # for the report
         continue
       axes = rel.layout.dims[d]
       ranks = math.prod(inf.mesh.axis_size(a) for a in axes)
@@ -219,7 +225,7 @@ class Pieces:
         per_operand.append(pieces)
       else:
         return
-    results = []
+    results, missed = [], []
     for m, operands in enumerate(zip(*per_operand)):
       shape = list(op.results[0].shape)
       if not summed:
@@ -232,8 +238,11 @@ class Pieces:
       piece.results = [inf.new_term(ir.TensorType(tuple(shape), op.results[0].type.dtype))]
       inf.step(piece)
       if not inf.whole_relations(piece.results[0]):
-        return
+        missed.append(m)
       results.append(piece.results[0])
+    if missed:
+      self.missed[id(op)] = (split.dim, len(results), missed)
+      return
     if summed:
       inf.sums.start(op, results)
     else:
@@ -291,6 +300,30 @@ class Pieces:
               inf.deg.of(v) for v in op.operands] == classes:
             inf.add_relation(s, Relation(inf.deg.of(op.results[0]), r0.layout,
                                          "pieces-concatenated"))
+
+  def explain(self, op: ir.Op) -> str:
+    """Which pieces ``op`` was computed on, if it was on some; or which rows
+    the per-device program never cut from an operand it cut into pieces."""
+    for v in op.operands:
+      if v.id in self.partial_cuts and v.id not in self.splits:
+        dim, bounds, size = self.partial_cuts[v.id]
+        covered = set().union(*(range(a, b) for a, b in bounds))
+        never = [i for i in range(size) if i not in covered]
+        if never:
+          return (f"the per-device program cuts each rank's tile of this op's operand "
+                  f"into pieces of {bounds[0][1] - bounds[0][0]} along dim {dim} "
+                  f"({', '.join(f'{a}:{b}' for a, b in bounds)} of {size}) but never takes "
+                  f"rows {', '.join(map(str, never))} (a microbatch skipped?)")
+    if id(op) not in self.missed:
+      return ""
+    dim, count, missed = self.missed[id(op)]
+    done = [m for m in range(count) if m not in missed]
+    if not done:
+      return ""
+    return (f"the per-device program computes this {op.name} on pieces "
+            f"{', '.join(map(str, done))} of the {count} its operand is cut into along "
+            f"dim {dim}, but never on piece{'s' if len(missed) > 1 else ''} "
+            f"{', '.join(map(str, missed))} (a microbatch skipped, or taken twice?)")
 
   def describe(self, v: ir.Value) -> list[str]:
     split = self.splits.get(v.id)
