@@ -49,7 +49,8 @@ def test_names_and_metadata():
                                    "output_not_rescaled", "ring_over_wrong_axis",
                                    "slots_over_all_tokens", "missing_allgather",
                                    "nll_max_not_reduced", "vocab_ids_not_offset",
-                                   "norm_counts_replicas", "grad_not_divided"}
+                                   "norm_counts_replicas", "grad_not_divided",
+                                   "microbatch_skipped"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "tp_vocab", "sp", "dp_tp", "cp", "dp_tp_cp", "dp_take"):
       for style in ("shard_map", "gspmd"):
@@ -63,6 +64,7 @@ def test_names_and_metadata():
     strategies.get(f"{model}/dp_tp_adamw/shard_map/ok")
     strategies.get(f"{model}/dp_tp_adamw/gspmd/ok")
     strategies.get(f"{model}/dp_accum2/shard_map/ok")
+    strategies.get(f"{model}/pp_gpipe/shard_map/ok")
     strategies.get(f"{model}/dp_tp_accum4/shard_map/ok")
     strategies.get(f"{model}/dp_tp_vocab_take_grad/shard_map/ok")
     strategies.get(f"{model}/tp_vocab_optax_grad/gspmd/ok")

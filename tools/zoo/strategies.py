@@ -447,6 +447,33 @@ def _pipeline_stages(axis, shift=1):
   return run
 
 
+def _gpipe_stages(axis, microbatches, shift=1, inject_late=0):
+  """GPipe over ``axis``: each rank's batch in ``microbatches`` slices; at
+  step t stage 0 takes microbatch t, every stage runs its layers on what it
+  holds and passes it on, and the last stage finishes microbatch t - (n - 1).
+  Its outputs, concatenated, are handed to everyone by a masked psum.
+  ``inject_late``: the seeded bug, stage 0 taking microbatch t - 1 at step t
+  (the first one twice, the last never)."""
+  def run(h, stacked, layer):
+    n = lax.axis_size(axis)
+    stage = lax.axis_index(axis)
+    size = h.shape[0] // microbatches
+    pieces = [h[m * size:(m + 1) * size] for m in range(microbatches)]
+    state = jnp.zeros_like(pieces[0])
+    outs = []
+    for t in range(microbatches + n - 1):
+      if t < microbatches:
+        state = jnp.where(stage == 0, pieces[max(t - inject_late, 0)], state)
+      state = run_stack_in_order(state, stacked, layer)
+      if t >= n - 1:
+        outs.append(state)
+      if t < microbatches + n - 2:
+        state = lax.ppermute(state, axis, _ring_perm(n, shift))
+    out = jnp.concatenate(outs, axis=0)
+    return lax.psum(jnp.where(stage == n - 1, out, 0.0), axis)
+  return run
+
+
 def _pp_par(shift=1):
   return Parallel(run_stack=_pipeline_stages("pp", shift))
 
@@ -535,6 +562,12 @@ _STRATEGIES = {s.name: s for s in [
 # Pipeline parallelism: 8 layers on 4 stages, two per stage.
 PP = _Strategy("pp", (4,), ("pp",), P(), _no_param_specs, _pp_par,
                (("stacked_params", True), ("layers", 8)), layer_axis="pp")
+
+# GPipe: the same stages with each batch in 4 microbatches.
+GPIPE = _Strategy("pp_gpipe", (4,), ("pp",), P(), _no_param_specs,
+                  lambda: Parallel(run_stack=_gpipe_stages("pp", 4)),
+                  (("stacked_params", True), ("layers", 8), ("batch", 4)), layer_axis="pp")
+
 
 def _staged(par: Parallel) -> Parallel:
   """``par``'s hooks inside each stage of a pipeline over "pp"."""
@@ -1061,6 +1094,15 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_shard_map_grad_case("llama3", PP, cfg, "double_counted_grad",
                                       check_vma=False, bug="double_counted_grad",
                                       bug_primitive="output"))
+  # GPipe: 4 microbatches through the 4 stages (7 steps); the bug feeds
+  # stage 0 microbatch t - 1 at step t, so the last is never cut from the
+  # batch and the first op of stage 0 (layernorm's mean, rmsnorm's square)
+  # cannot be put together from the pieces.
+  for model, first_op in (("gpt2", "reduce"), ("llama3", "multiply")):
+    built.append(_shard_map_case(model, GPIPE, cfg, "ok", GPIPE.par()))
+    built.append(_shard_map_case(model, GPIPE, cfg, "microbatch_fed_late",
+                                 Parallel(run_stack=_gpipe_stages("pp", 4, inject_late=1)),
+                                 "microbatch_skipped", first_op))
   # Stages with tensor parallelism inside (2 x 4), and on the 2x2x2 mesh with
   # the batch over "dp" too: forward and backward.
   for model, strategy in itertools.product(MODELS, (PP_TP, DP_PP_TP)):
