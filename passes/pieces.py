@@ -137,6 +137,7 @@ class Pieces:
     self.missed: dict[int, tuple[int, int, list[int]]] = {}
     # sequential value id -> (dim, the rows of each tile its slices cover, tile size)
     self.partial_cuts: dict[int, tuple[int, list, int]] = {}
+    self._sliced: Optional[set[int]] = None  # the classes some static slice reads
 
   def has(self, v: ir.Value) -> bool:
     return v.id in self.splits
@@ -147,6 +148,11 @@ class Pieces:
     one per piece: ``s`` is split along that dim."""
     inf = self.inf
     if s.id in self.splits or s.id < 0 or not rel.layout.is_plain() or s.type.rank == 0:
+      return
+    if self._sliced is None:  # (every relation comes here: most classes are never sliced)
+      self._sliced = {inf.deg.find(inf.deg.of(op.operands[0]))
+                      for op in inf.dist.graph.ops if op.name == "slice"}
+    if inf.deg.find(rel.cls) not in self._sliced:
       return
     local = rel.layout.local_shape(s.shape, inf.mesh)
     if local is None:
