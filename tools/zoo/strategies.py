@@ -862,7 +862,8 @@ def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=N
 
 
 def _shard_map_grad_case(model, strategy, cfg, variant="ok", check_vma=True, bug=None,
-                         bug_primitive=None, sgd_step=False) -> Case:
+                         bug_primitive=None, sgd_step=False, kind=None,
+                         local_step=None) -> Case:
   """A training step's forward and backward inside shard_map: value_and_grad of
   the local loss.  With the varying-axes checker on, jax's transpose of psum
   sums the gradients of replicated parameters; with it off (``check_vma=False``,
@@ -870,7 +871,9 @@ def _shard_map_grad_case(model, strategy, cfg, variant="ok", check_vma=True, bug
   gradients come out |tp| times too large: the classic double-counted gradient.
 
   ``sgd_step``: return ``(loss, params - lr * grads)`` instead, one optimizer
-  step with each new parameter sharded like the old one."""
+  step with each new parameter sharded like the old one.  ``local_step``: the
+  per-device step made of the local value_and_grad (gradient accumulation),
+  named ``kind``."""
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _in_specs(model, strategy, cfg)
@@ -881,8 +884,9 @@ def _shard_map_grad_case(model, strategy, cfg, variant="ok", check_vma=True, bug
 
   if sgd_step:
     vg_seq, vg_local = _sgd(vg_seq), _sgd(vg_local)
-
-  kind = "sgd" if sgd_step else "grad"
+  if local_step is not None:
+    vg_local = local_step(vg_local)
+  kind = kind or ("sgd" if sgd_step else "grad")
   seq_fn = _named(vg_seq, _ident(model, strategy.name, f"{kind}_seq"))
   dist_fn = shard_map(vg_local, mesh=mesh, in_specs=specs, out_specs=(P(), tuple(specs[2:])),
                       check_vma=check_vma)
@@ -1000,19 +1004,9 @@ def _accumulation_case(model, strategy, cfg, microbatches=2, variant="ok", divid
                        bug=None, bug_primitive=None) -> Case:
   """A training step with gradient accumulation inside shard_map: the
   sequential step is ``value_and_grad`` on the whole batch."""
-  cfg = _cfg(strategy, cfg)
-  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
-  specs = _in_specs(model, strategy, cfg)
-  n_params = len(param_specs(model, cfg))
-  vg_seq = _loss_and_grads(_seq_fn(model, cfg), n_params)
-  local = loss_fn(model, cfg, strategy.par(), name=_ident(model, strategy.name, "accum"))
-  vg_local = _accumulated(_loss_and_grads(local, n_params), microbatches, divide)
-  name = f"{strategy.name}_accum{microbatches}"
-  dist_fn = shard_map(vg_local, mesh=mesh, in_specs=specs, out_specs=(P(), tuple(specs[2:])))
-  return Case(name=f"{model}/{name}/shard_map/{variant}",
-              seq_fn=_named(vg_seq, _ident(model, name, "seq")), dist_fn=dist_fn,
-              seq_args=_seq_args(model, cfg), dist_args=_dist_args(model, cfg, mesh, specs),
-              mesh=mesh, style="shard_map", bug=bug, bug_primitive=bug_primitive)
+  return _shard_map_grad_case(model, strategy, cfg, variant, bug=bug,
+                              bug_primitive=bug_primitive, kind=f"accum{microbatches}",
+                              local_step=lambda vg: _accumulated(vg, microbatches, divide))
 
 
 @functools.cache
