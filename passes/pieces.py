@@ -91,7 +91,7 @@ def _dim_map(op: ir.Op, k: int, d: int) -> Optional[tuple[int, bool]]:
       if math.prod(dst.shape[:e]) == before and n == src.shape[d]:
         return e, False
     return None
-  if name == "reduce" and k == 0:
+  if name == "reduce" and k == 0 and len(op.operands) == 2:  # one input, its init
     dims = tuple(attrs["dimensions"])
     if d in dims:
       return None, True
@@ -212,6 +212,8 @@ class Pieces:
         continue
       partner = _partner_dim(op, k, split.dim, j)
       other = self.splits.get(v.id)
+      if partner is not None and v.type.rank == 0:
+        partner = None  # a clamp's scalar bound, a select's scalar flag: every row's
       if partner is not None and other is not None:
         # Pieces pair only if they are the same rows.  (Pieces cut otherwise
         # differ in shape or layout, which the lemmas refuse too; kept explicit.)

@@ -54,6 +54,14 @@ def test_microbatches_concatenated_back_are_the_tile():
   assert result.refines, result
 
 
+def test_scalar_operands_meet_every_piece():
+  def seq(x, w):
+    return jnp.clip(_layer(x, w), -0.5, 0.5)
+  dist = _dist(lambda x, w: jnp.concatenate([seq(p, w) for p in _pieces(x, 2)]))
+  assert _agree(seq, dist)
+  assert verify(seq, dist, X, W).refines
+
+
 def test_microbatches_concatenated_in_the_wrong_order_are_not():
   dist = _dist(lambda x, w: jnp.concatenate([_layer(p, w) for p in _pieces(x, 2)][::-1]))
   assert not _agree(_layer, dist)
