@@ -125,9 +125,13 @@ def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
 
 
 def _seq_values_by_class(inf) -> dict:
-  """Per-device class -> (the first sequential value related to it, how)."""
+  """Per-device class -> (the first sequential value related to it, how);
+  not the terms of sums and microbatch pieces (negative ids), which name no
+  sequential value a reader could find."""
   seq_of: dict = {}
   for sid, rels in inf.relations.items():
+    if sid < 0:
+      continue
     for r in rels:
       seq_of.setdefault(r.cls, (sid, r))
   return seq_of

@@ -159,8 +159,9 @@ class Pieces:
       return
     by_dim: dict[int, list] = {}
     for op in inf.users.get(rel.cls, ()):
-      if op.name != "slice" or inf.deg.of(op.operands[0]) != rel.cls:
-        continue
+      if op.name != "slice" or inf.deg.of(op.operands[0]) != rel.cls or \
+          op.operands[0].shape != local:
+        continue  # (a class may hold the tile up to unit dims: not cut here)
       start, limit = tuple(op.attrs["start_indices"]), tuple(op.attrs["limit_indices"])
       strides = tuple(op.attrs.get("strides") or (1,) * len(start))
       cut = [i for i, (a, b) in enumerate(zip(start, limit)) if (a, b) != (0, local[i])]
