@@ -138,6 +138,7 @@ class Pieces:
     # sequential value id -> (dim, the rows of each tile its slices cover, tile size)
     self.partial_cuts: dict[int, tuple[int, list, int]] = {}
     self._sliced: Optional[set[int]] = None  # the classes some static slice reads
+    self._seq_sliced: Optional[set[tuple[int, int]]] = None  # (value, dim) the sequential slices
 
   def has(self, v: ir.Value) -> bool:
     return v.id in self.splits
@@ -168,7 +169,14 @@ class Pieces:
       if len(cut) != 1 or any(x != 1 for x in strides):
         continue
       by_dim.setdefault(cut[0], []).append((start[cut[0]], limit[cut[0]], op))
+    if self._seq_sliced is None:  # where the sequential program slices too, it needs no pieces
+      self._seq_sliced = {(op.operands[0].id, d) for op in inf.seq.ops if op.name == "slice"
+                          for d, (a, b) in enumerate(zip(op.attrs["start_indices"],
+                                                         op.attrs["limit_indices"]))
+                          if (a, b) != (0, op.operands[0].shape[d])}
     for d, cuts in sorted(by_dim.items()):
+      if (s.id, d) in self._seq_sliced:
+        continue
       cuts = sorted(dict(((a, b), op) for a, b, op in cuts).items())
       bounds = [ab for ab, _ in cuts]
       if len(cuts) < 2 or bounds[0][0] != 0 or bounds[-1][1] != local[d] or any(
