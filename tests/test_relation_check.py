@@ -17,7 +17,7 @@ ALL = list(cases.all_cases()) + strategies.model_cases()
 
 @pytest.mark.parametrize("case", ALL, ids=lambda c: c.name)
 def test_every_inferred_relation_holds_numerically(case):
-  result, check = verify_and_check(*case.modules())
+  result, check = verify_and_check(*case.modules(), nonnegative=case.nonnegative_args)
   assert check.ok, check.failures[:5]
   assert check.checked > 0 and check.unknown == 0, check
   if result.refines:  # the outputs' relations are among those checked
