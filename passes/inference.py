@@ -234,6 +234,11 @@ class RelationInference:
     self._next_term_id -= 1
     return term
 
+  def term_words(self, t: ir.Value) -> str:
+    """A term's (or value's) first two relations, as a report lists them."""
+    return " or ".join(r.layout.describe(self.value_name(r.cls))
+                       for r in self.whole_relations(t)[:2])
+
   def value_name(self, cls: int) -> str:
     """A per-device value of e-class ``cls``, as reports name it."""
     return _value_name(self.deg.value(cls))
@@ -274,10 +279,7 @@ class RelationInference:
       if unrelated and op.name == "while" and self.loop_failure is not None:
         return self.loop_failure
       if unrelated:
-        failure = diagnose_op(self, op)
-        why = self.pieces.explain(op)
-        return dataclasses.replace(failure, diagnosis=f"{why}; {failure.diagnosis}") \
-            if why else failure
+        return _with_reason(diagnose_op(self, op), self.pieces.explain(op))
     return None
 
   def defer(self, v: ir.Value, origin: ir.Op) -> None:
@@ -292,10 +294,8 @@ class RelationInference:
     """A deferred value a reader needed whole: a sum (``sums.py``) that never
     came together, or a broadcast no piece took, reported where it began."""
     from graphguard_hlo.passes.diagnose import diagnose_op
-    failure = diagnose_op(self, self.deferred_origin(values))
-    why = self.sums.explain(values)
-    return dataclasses.replace(failure, diagnosis=f"{why}; {failure.diagnosis}" if why
-                               else failure.diagnosis)
+    return _with_reason(diagnose_op(self, self.deferred_origin(values)),
+                        self.sums.explain(values))
 
   def relates(self, s: ir.Value, d: ir.Value, layout: Layout) -> bool:
     """Is ``s ~ layout of d`` known (splats: d is the same splat)?"""
@@ -730,6 +730,12 @@ class RelationInference:
         return Result("not_proved", outputs, failure, self._stats(processed))
       outputs.append(OutputRelation(i, ok[0].layout.describe(f"out{i}"), ok[0].layout))
     return Result("refines", outputs, None, self._stats(processed))
+
+
+def _with_reason(failure: Failure, why: str) -> Failure:
+  """``failure`` with ``why`` (what pieces or sums say of it) put first."""
+  return dataclasses.replace(failure, diagnosis=f"{why}; {failure.diagnosis}") if why \
+      else failure
 
 
 def inits_are_identities(splats: dict[int, float], op: ir.Op, kind: str) -> bool:

@@ -346,11 +346,7 @@ class Pieces:
     split = self.splits.get(v.id)
     if split is None:
       return []
-    inf = self.inf
-    parts = []
-    for t in split.terms:
-      rels = inf.whole_relations(t)
-      parts.append(" or ".join(r.layout.describe(inf.value_name(r.cls)) for r in rels[:2]))
+    parts = [self.inf.term_words(t) for t in split.terms]
     return [f"in {len(parts)} pieces along dim {split.dim} the per-device program never "
             f"puts together: " + ", ".join(f"[{p}]" for p in parts)]
 

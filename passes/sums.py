@@ -31,6 +31,7 @@ orders of a sum.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Optional
 
 from graphguard_hlo import ir
@@ -52,9 +53,6 @@ class SumRegrouping:
   def __init__(self, inf) -> None:
     self.inf = inf
     self.sums: dict[int, list] = {}  # sequential value id -> its terms
-
-  def is_sum(self, v: ir.Value) -> bool:
-    return v.id in self.sums
 
   def summands(self, v: ir.Value) -> Optional[list]:
     if v.id in self.sums:
@@ -86,7 +84,7 @@ class SumRegrouping:
     if op.name == "reduce" and (inf.seq_op(op).attrs.get("gg.reduction") != "sum" or any(
         inf.splats.get(v.id) != 0.0 for v in op.operands[1:])):
       return
-    terms = []
+    results = []
     for t in self.sums[op.operands[k].id]:
       piece = ir.Op(op.name, [t if j == k else v for j, v in enumerate(op.operands)],
                     op.attrs, op.regions, op.location)
@@ -94,8 +92,8 @@ class SumRegrouping:
       inf.step(piece)
       if not inf.whole_relations(piece.results[0]):
         return
-      terms.append(piece.results[0])
-    self.start(op, terms)
+      results.append(piece.results[0])
+    self.start(op, results)
 
   def start(self, op: ir.Op, summands: list) -> None:
     """Relate ``op``'s result as the sum of ``summands`` (values or terms with
@@ -125,19 +123,24 @@ class SumRegrouping:
           break
     return pending
 
+  def _added(self, a, ra, rb) -> Optional[int]:
+    """The class of the per-device add of ``ra``'s and ``rb``'s classes, in the
+    shape of ``a``'s tile under ``ra``."""
+    inf = self.inf
+    local = ra.layout.local_shape(a.shape, inf.mesh)
+    if local is None:
+      return None
+    inf.lookups += 1
+    return inf.deg.lookup(terms.op_head("add", {}, ir.TensorType(local, a.type.dtype)),
+                          (ra.cls, rb.cls))
+
   def _merged_pair(self, a, b) -> Optional[ir.Value]:
     from graphguard_hlo.passes.inference import Relation
     inf = self.inf
     for ra, rb in itertools.product(inf.whole_relations(a), inf.whole_relations(b)):
       if ra.layout != rb.layout or not ra.layout.is_plain():
         continue
-      local = ra.layout.local_shape(a.shape, inf.mesh)
-      if local is None:
-        continue
-      local_type = ir.TensorType(local, a.type.dtype)
-      head = terms.op_head("add", {}, local_type, (), 0)
-      inf.lookups += 1
-      cls = inf.deg.lookup(head, (ra.cls, rb.cls))
+      cls = self._added(a, ra, rb)
       if cls is None:
         continue
       term = inf.new_term(a.type)
@@ -158,16 +161,9 @@ class SumRegrouping:
       for ra, rb in itertools.product(inf.whole_relations(a), inf.whole_relations(b)):
         if ra.layout.partial or not rb.layout.partial or ra.layout.dims != rb.layout.dims:
           continue
-        local = ra.layout.local_shape(a.shape, inf.mesh)
-        if local is None:
-          continue
-        cls = inf.deg.lookup(terms.op_head("add", {}, ir.TensorType(local, a.type.dtype),
-                                           (), 0), (ra.cls, rb.cls))
-        if cls is not None:
+        if self._added(a, ra, rb) is not None:
           axes = rb.layout.partial
-          count = 1
-          for axis in axes:
-            count *= inf.mesh.axis_size(axis)
+          count = math.prod(inf.mesh.axis_size(axis) for axis in axes)
           return (f"the per-device program adds {ra.layout.describe(inf.value_name(ra.cls))} "
                   f"into the partial sum over {', '.join(map(repr, axes))} "
                   f"{inf.value_name(rb.cls)}, so summed over those ranks it is counted "
@@ -177,11 +173,6 @@ class SumRegrouping:
 
   def describe(self, v: ir.Value) -> list[str]:
     """The terms of a sum, as the report shows them."""
-    inf = self.inf
-    parts = []
-    for t in self.sums.get(v.id, ()):
-      rels = inf.whole_relations(t)
-      parts.append(" or ".join(
-          r.layout.describe(inf.value_name(r.cls)) for r in rels[:2]) or "?")
+    parts = [self.inf.term_words(t) or "?" for t in self.sums.get(v.id, ())]
     return [f"a sum of {len(parts)} terms the per-device program never adds up: "
             + " + ".join(f"({p})" for p in parts)] if parts else []
