@@ -944,9 +944,9 @@ def _adamw_case(model, strategy, cfg, style, variant="ok", clip=None, bug=None,
   n_params = len(param_specs(model, cfg))
   specs = _specs(model, strategy, cfg)
   tx_seq = training.optimizer()
-  leaves, state_tree = training.state_leaves(tx_seq, arg_shapes(model, cfg)[2:])
-  owners = training.leaf_param_index(tx_seq, n_params)
-  state_specs = tuple(P() if i is None else specs[2 + i] for i in owners)
+  state = training.state_leaves(tx_seq, arg_shapes(model, cfg)[2:])
+  leaves, state_tree = state.leaves, state.tree
+  state_specs = tuple(P() if i is None else specs[2 + i] for i in state.owners)
   seq_fn = _named(training.train_step(_loss_and_grads(_seq_fn(model, cfg), n_params), tx_seq,
                                       n_params, state_tree),
                   _ident(model, strategy.name, "adamw_seq"))
@@ -955,8 +955,7 @@ def _adamw_case(model, strategy, cfg, style, variant="ok", clip=None, bug=None,
       jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=NamedSharding(mesh, s))
       for l, s in zip(leaves, state_specs)]
   out_specs = (P(), tuple(specs[2:]), state_specs)
-  nonnegative = tuple(2 + n_params + i for i in training.second_moment_leaves(
-      tx_seq, arg_shapes(model, cfg)[2:]))
+  nonnegative = tuple(2 + n_params + i for i in state.second_moments)
   name = f"{model}/{strategy.name}_adamw/{style}/{variant}"
   if style == "gspmd":
     shard = lambda s: NamedSharding(mesh, s)

@@ -14,6 +14,7 @@ parallel duplicate" filter.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import jax
@@ -58,27 +59,27 @@ def optimizer(clip: optax.GradientTransformation | None = None) -> optax.Gradien
                      optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY))
 
 
-def state_leaves(tx: optax.GradientTransformation, param_shapes) -> tuple[list, object]:
-  """The optimizer state's leaves (shape structs) and tree for these params."""
+@dataclasses.dataclass(frozen=True)
+class StateLeaves:
+  """The optimizer state for some parameters, as flat arguments."""
+  leaves: list          # shape structs
+  tree: object          # to unflatten them
+  owners: list          # each leaf's parameter index (None: a scalar, Adam's count)
+  second_moments: list  # positions of Adam's ``nu`` leaves
+
+
+def state_leaves(tx: optax.GradientTransformation, param_shapes) -> StateLeaves:
   shapes = tuple(jax.ShapeDtypeStruct(s, d) for s, d in param_shapes)
-  state = jax.eval_shape(tx.init, shapes)
-  return jax.tree.flatten(state)
-
-
-def leaf_param_index(tx: optax.GradientTransformation, n_params: int) -> list:
-  """For each state leaf, the parameter it is shaped like (``None``: a scalar
-  such as Adam's step count)."""
-  marked = jax.eval_shape(tx.init, tuple(jax.ShapeDtypeStruct((i + 1,), jnp.float32)
-                                         for i in range(n_params)))
-  return [leaf.shape[0] - 1 if leaf.ndim == 1 else None for leaf in jax.tree.leaves(marked)]
-
-
-def second_moment_leaves(tx: optax.GradientTransformation, param_shapes) -> list[int]:
-  """Positions of Adam's second moments (``nu``) among the state's leaves."""
-  shapes = tuple(jax.ShapeDtypeStruct(s, d) for s, d in param_shapes)
-  paths = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, shapes))[0]
-  return [i for i, (path, _) in enumerate(paths)
-          if any(getattr(k, "name", None) == "nu" for k in path)]
+  paths, tree = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, shapes))
+  owners, second = [], []
+  for i, (path, _) in enumerate(paths):
+    names = [getattr(k, "name", None) for k in path]
+    # mu / nu are tuples like the params: the key after the name is the parameter.
+    moment = next((j for j, n in enumerate(names) if n in ("mu", "nu")), None)
+    owners.append(None if moment is None else path[moment + 1].idx)
+    if moment is not None and names[moment] == "nu":
+      second.append(i)
+  return StateLeaves([leaf for _, leaf in paths], tree, owners, second)
 
 
 def train_step(value_and_grad: Callable, tx: optax.GradientTransformation, n_params: int,
