@@ -33,6 +33,7 @@ class RelationCheck:
   checked: int = 0          # relations held against numbers
   unknown: int = 0          # relations on values the interpreter could not compute
   classes_checked: int = 0  # e-classes with several values, all agreeing
+  zeros_checked: int = 0    # per-device values known zero at some ranks (zeros.py)
   failures: list[str] = dataclasses.field(default_factory=list)
 
   @property
@@ -100,7 +101,29 @@ def check_relations(inference, seed: int = 0, nonnegative: Sequence[int] = ()) -
         out.failures.append(f"{_name(s)} ~ {r.layout.describe(_name(d))} [{r.how}]: {problem}")
   _check_pieces(inference, seq_values, seq_env, dist_env, members, coords, out)
   _check_classes(members, dist_env, out)
+  _check_zeros(inference, members, dist_env, coords, out)
   return out
+
+
+def _check_zeros(inference, members, dist_env, coords, out: RelationCheck) -> None:
+  """Every value the zero dataflow (``passes/zeros.py``) says is zero at some
+  ranks is zero there."""
+  zeros = inference.transfer.zeros
+  axes = [name for name, _ in inference.mesh.axes]
+  for cls, values in members.items():
+    facts = zeros.of(cls)
+    known = [v for v in values if v.id in dist_env]
+    if not facts or not known:
+      continue
+    out.zeros_checked += 1
+    for pattern in facts:
+      at = dict(pattern)
+      for rank, c in enumerate(coords):
+        if all(c[axes.index(a)] == k for a, k in at.items()) and \
+            np.any(np.asarray(dist_env[known[0].id][rank]) != 0):
+          out.failures.append(f"{_name(known[0])} is not zero at rank {dict(zip(axes, c))} "
+                              f"(zeros.py: zero at {at or 'every rank'})")
+          break
 
 
 def _check_pieces(inference, seq_values, seq_env, dist_env, members, coords,

@@ -23,6 +23,8 @@ collective or a rank-dependent slice ``g``, then ``s ~ L' of d'``:
                           pins a to the coordinates in T
   dynamic-slice at r*k    a replica becomes a tile (offsets proved by sympy)
   multiply/divide by c    the scale changes by 1/c or c
+  a + b, b zero where     a's relation (zeros.py: where per-device values are
+     a's holds            zero, e.g. a bubble's cotangent)
 
 Each rule is tested numerically (``tests/test_transfer.py``).
 """
@@ -40,6 +42,7 @@ from graphguard_hlo.reference import COMPARISONS
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import RankArithmetic, broadcast_scalar, rank_symbol
+from graphguard_hlo.passes.zeros import ZeroFacts, covers
 from graphguard_hlo.passes.unit_dims import lower_lifted, only_unit_dims_change, unit_dim_lifts
 
 
@@ -91,6 +94,14 @@ class Transfer:
     self.graph = graph
     self._users = None
     self._ring_writes: Optional[tuple[dict, dict]] = None
+    self._zeros: Optional[ZeroFacts] = None
+
+  @property
+  def zeros(self) -> ZeroFacts:
+    """Where each per-device value is known zero (zeros.py), read on first use."""
+    if self._zeros is None:
+      self._zeros = ZeroFacts(self.deg, self.mesh, self.graph, self.rank_predicate)
+    return self._zeros
 
   @property
   def rings(self) -> frozenset:
@@ -536,6 +547,18 @@ class Transfer:
     union = tuple(sorted(set(shifts) | set(known.filled[2])))
     whole = len(union) == self.mesh.axis_size(axis)
     return base_layout.with_(filled=() if whole else (k, axis, union))
+
+  def _add(self, op, cls, l: Layout):
+    """``a + b`` with b zero wherever a's relation holds (at its pins; at every
+    rank if unpinned) is a there: a stage's cotangent plus the zeros another
+    stage sent in a bubble.  Zero elsewhere only if b is zero everywhere."""
+    a, b = op.operands
+    if self.deg.of(a) == self.deg.of(b):
+      return
+    other = b if self.deg.of(a) == cls else a
+    zeros = self.zeros.of(self.deg.of(other))
+    if covers(zeros, l.at):
+      yield l if covers(zeros, ()) else l.with_(zero_elsewhere=False)
 
   def _multiply(self, op, cls, l: Layout):
     c = self._splat_operand(op, cls)

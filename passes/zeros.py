@@ -1,0 +1,153 @@
+"""Where a per-device value is zero: a dataflow over the per-device program.
+
+A pipeline's backward pass runs on zeros.  The masked psum that ends the
+forward transposes to the cotangent at the last stage and zeros at the others;
+permutes pass those zeros stage to stage, and a stage's cotangent at step t is
+what the later stage sent plus a zero, or zero in a bubble.  A relation pinned
+at stage s survives adding a value that is zero at s (``Transfer._add``); this
+pass says where values are zero.
+
+A fact is a *pattern*: a set of mesh coordinates ``{(x, c), ...}`` meaning
+"zero at every rank whose coordinates match", the empty pattern meaning zero
+at every rank.  A value's facts are a set of patterns (zero where any
+matches).  Read in real arithmetic, as ``lemmas.ZERO_PRESERVING`` is: ``0 * x
+= 0`` for the finite values the other ranks compute.
+
+  splat 0                         zero everywhere
+  select(r_x in T, a, b)          a's patterns at x in T, b's at x not in T
+  collective-permute over x       a pattern at x = c moves to x = perm(c);
+                                  ranks that receive nothing hold zeros
+  ZERO_PRESERVING ops             zero where every operand of some group is
+                                  (a product: either; a sum: both)
+  collectives over X              patterns not naming X (every rank of a
+                                  group shares those coordinates)
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Optional
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes.collectives import reducer_kind
+from graphguard_hlo.passes.dist_egraph import DistEGraph
+from graphguard_hlo.passes.lemmas import ZERO_PRESERVING
+
+Pattern = frozenset  # of (axis, coordinate) pairs
+EVERYWHERE: frozenset = frozenset({Pattern()})
+NOWHERE: frozenset = frozenset()
+
+# Collectives combining a group's values along ``gg.axes``.
+_GROUP_COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+
+
+def _meet(p: Pattern, q: Pattern) -> Optional[Pattern]:
+  """The ranks matching both patterns, None if no rank does."""
+  both = dict(p)
+  for axis, c in q:
+    if both.setdefault(axis, c) != c:
+      return None
+  return Pattern(both.items())
+
+
+def _minimal(patterns: Iterable[Pattern]) -> frozenset:
+  """Drop patterns another one covers (a pattern covers those it is a subset of)."""
+  ps = set(patterns)
+  return frozenset(p for p in ps if not any(q < p for q in ps))
+
+
+def intersect(a: frozenset, b: frozenset) -> frozenset:
+  """Zero where both are: every pattern of one met with every pattern of the other."""
+  return _minimal(m for p, q in itertools.product(a, b) for m in [_meet(p, q)] if m is not None)
+
+
+def covers(facts: frozenset, pins: Iterable[tuple[str, int]]) -> bool:
+  """Is a value with these facts zero at every rank matching ``pins``?"""
+  pins = Pattern(pins)
+  return any(p <= pins for p in facts)
+
+
+class ZeroFacts:
+  """For each e-class of the per-device program, where it is known zero."""
+
+  def __init__(self, deg: DistEGraph, mesh: ir.Mesh, graph: ir.Graph, rank_predicate):
+    self.deg = deg
+    self.mesh = mesh
+    self.rank_predicate = rank_predicate  # Transfer.rank_predicate
+    self._facts: dict[int, frozenset] = {}
+    for op in graph.ops:  # program order: operands before their users
+      if len(op.results) != 1:
+        continue
+      found = self._of_op(op)
+      if found:
+        cls = deg.of(op.results[0])
+        self._facts[cls] = _minimal(self._facts.get(cls, NOWHERE) | found)
+
+  def of(self, cls: int) -> frozenset:
+    cls = self.deg.find(cls)
+    if self.deg.splat(cls) == 0.0:
+      return EVERYWHERE
+    return self._facts.get(cls, NOWHERE)
+
+  def _operand(self, op: ir.Op, i: int) -> frozenset:
+    v = op.operands[i]
+    return self.of(self.deg.of(v)) if v.id in self.deg.class_of else NOWHERE
+
+  def _of_op(self, op: ir.Op) -> frozenset:
+    name = op.name
+    if name == "select":
+      return self._select(op)
+    if name == "collective_permute":
+      return self._permute(op)
+    if name in _GROUP_COLLECTIVES:
+      axes = set(op.attrs.get("gg.axes") or ())
+      if not axes or (name == "all_reduce" and op.attrs.get("gg.reduction") not in
+                      ("sum", "max", "min")):
+        return NOWHERE
+      return frozenset(p for p in self._operand(op, 0) if not {a for a, _ in p} & axes)
+    if name not in ZERO_PRESERVING:
+      return NOWHERE
+    if name == "reduce" and (len(op.operands) != 2 or not op.regions or
+                             reducer_kind(op.regions[0]) not in ("sum", "max", "min")):
+      return NOWHERE  # a reducer body of its own need not map zeros to zero
+    groups = ZERO_PRESERVING[name] or (tuple(range(len(op.operands))),)
+    found: set = set()
+    for group in groups:
+      if any(i >= len(op.operands) for i in group):
+        continue
+      zero = EVERYWHERE
+      for i in group:
+        zero = intersect(zero, self._operand(op, i))
+      found |= zero
+    return _minimal(found)
+
+  def _select(self, op: ir.Op) -> frozenset:
+    on_true, on_false = self._operand(op, 1), self._operand(op, 2)
+    picked = self.rank_predicate(op.operands[0])
+    if picked is None:
+      return intersect(on_true, on_false)
+    axis, true_at = picked
+    n = self.mesh.axis_size(axis)
+    found = set(intersect(on_true, on_false))
+    for c in range(n):
+      for p in (on_true if c in true_at else on_false):
+        m = _meet(p, Pattern({(axis, c)}))
+        if m is not None:
+          found.add(m)
+    return _minimal(found)
+
+  def _permute(self, op: ir.Op) -> frozenset:
+    axes, pairs = op.attrs.get("gg.axes"), op.attrs.get("gg.permutation")
+    if not axes or pairs is None or len(axes) != 1:
+      return NOWHERE
+    (axis,) = axes
+    sent = dict(pairs)
+    found = {Pattern({(axis, c)}) for c in range(self.mesh.axis_size(axis))
+             if c not in sent.values()}  # nothing received: zeros
+    for p in self._operand(op, 0):
+      at = dict(p)
+      if axis not in at:
+        found.add(p)  # zero at every source matching p: so at their receivers
+      elif at[axis] in sent:
+        found.add(Pattern({**at, axis: sent[at[axis]]}.items()))
+    return _minimal(found)
