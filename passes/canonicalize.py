@@ -6,7 +6,7 @@ jax wrote ``broadcast [64]->[1,64]; broadcast [1,64]->[16,64]``).  Like MLIR's
 canonicalizer, a few local patterns rewrite both graphs to one normal form
 before anything is compared:
 
-  reshape(x) to x's shape                 -> x        (also broadcast, convert, copy)
+  reshape(x) to x's shape                 -> x        (also broadcast, convert, copy, slice)
   reshape that only inserts unit dims     -> broadcast_in_dim(x)
   reshape(reshape(x))                     -> reshape(x)
   reshape of a unit-dims-only broadcast   -> x, when the shape is x's
@@ -25,6 +25,7 @@ before anything is compared:
   transpose(all_to_all(x, k -> k), p)     -> reshape(transpose(all_to_all(x, k -> c), p))
   all_to_all(reshape(v), k -> c)          -> reshape(all_to_all(v, s -> c'))
   reduce over size-1 dims (identity init) -> reshape
+  add of zero pads into adjacent slabs    -> pad(concat(..)) (slabs.py)
   dot(a, b), b first by its dims          -> transpose(dot(b, a))   (rings only)
   the online softmax, telescoped          (online_softmax.py; rings only)
   (p / l) @ v                             -> (p @ v) / l            (rings only)
@@ -38,13 +39,14 @@ import math
 from typing import Callable, Optional
 
 from graphguard_hlo import ir
-from graphguard_hlo.passes import online_softmax
+from graphguard_hlo.passes import online_softmax, slabs
 
 Pattern = Callable[[ir.Module, ir.Graph, ir.Op], Optional[ir.Value]]
 
 
 def _identity_shape_op(module, graph, op) -> Optional[ir.Value]:
-  if op.name in ("reshape", "broadcast_in_dim", "convert", "copy") and len(op.operands) == 1:
+  if op.name in ("reshape", "broadcast_in_dim", "convert", "copy", "slice") and \
+      len(op.operands) == 1:
     x = op.operands[0]
     if x.type == op.results[0].type:
       if op.name != "broadcast_in_dim" or tuple(op.attrs["broadcast_dimensions"]) == tuple(
@@ -470,6 +472,11 @@ def _reduce_over_unit_dims(module, graph, op) -> Optional[ir.Value]:
   return _emit(module, graph, op, "reshape", [x], {})
 
 
+def _sum_of_slabs(module, graph, op) -> Optional[ir.Value]:
+  return slabs.sum_of_slabs(module, graph, op, _fresh,
+                            lambda new: _simplified_and_placed(module, graph, new), _emit)
+
+
 PATTERNS: tuple[Pattern, ...] = (
     _identity_shape_op, _reshape_inserting_units, _reshape_of_reshape,
     _reshape_of_unit_broadcast, _broadcast_of_broadcast, _transpose_of_transpose,
@@ -478,7 +485,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _broadcast_expanding_units,
     _iota_as_broadcast, _add_zero, _offset_before_broadcast, _clamp_before_unit_broadcast,
     _select_of_true_false, _square_as_product, _select_of_scalar_predicate,
-    _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims)
+    _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims,
+    _sum_of_slabs)
 
 # Where the per-device program passes blocks round a ring (ring attention):
 # the online softmax telescoped, the sequential softmax dividing after its
@@ -580,6 +588,8 @@ def canonical_local_op(name: str, attrs: dict, operand_types: list[ir.TensorType
   if name == "transpose" and len(operand_types) == 1 and moves_only_unit_dims(
       attrs["permutation"], operand_types[0].shape):
     name, attrs = "reshape", {}  # as _transpose_of_unit_dims spells it in the graphs
+  if name == "slice" and len(operand_types) == 1 and operand_types[0] == result_type:
+    return None  # every element, in place (a stage's one layer of its stack)
   if name in ("reshape", "broadcast_in_dim", "convert", "copy") and len(operand_types) == 1:
     src = operand_types[0]
     if src == result_type and (name != "broadcast_in_dim" or tuple(

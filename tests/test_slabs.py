@@ -1,0 +1,125 @@
+"""Sums of zero-padded slabs become concatenations (passes/slabs.py): the
+gradient of a tensor read in slices, added in any order, evaluated before and
+after on random shapes, slabs and orders; and what is left alone."""
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from graphguard_hlo import ir, reference
+from graphguard_hlo.passes.canonicalize import canonicalize_graph
+
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True)
+
+
+def _t(shape, dtype="f32"):
+  return ir.TensorType(tuple(shape), dtype)
+
+
+def _run(g: ir.Graph, inputs):
+  env = {p.id: x for p, x in zip(g.params, inputs)}
+  for op in g.ops:
+    env[op.results[0].id] = reference.evaluate(op.name, op.attrs, [env[v.id] for v in op.operands],
+                                               op.results[0].type)
+  return [env[v.id] for v in g.results]
+
+
+def _program(shape, k, pads, order, padding=0.0, interior=0):
+  """sum over ``order`` of pad(param_j, slab pads[j]) along dim k."""
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("main")
+  zero = m.add_op(g, "constant", [], [_t(())], {"value": np.array(padding, np.float32)}).result
+  g.params, padded = [], []
+  for j, (start, stop) in enumerate(pads):
+    piece = list(shape)
+    piece[k] = stop - start
+    p = m.new_value(_t(piece), name=f"p{j}")
+    g.params.append(p)
+    lo = tuple(start if d == k else 0 for d in range(len(shape)))
+    hi = tuple(shape[k] - stop if d == k else 0 for d in range(len(shape)))
+    padded.append(m.add_op(g, "pad", [p, zero], [_t(shape)],
+                           {"edge_padding_low": lo, "edge_padding_high": hi,
+                            "interior_padding": (interior,) * len(shape)}).result)
+  total = padded[order[0]]
+  for j in order[1:]:
+    total = m.add_op(g, "add", [total, padded[j]], [_t(shape)], {}).result
+  g.results = [total]
+  return m, g
+
+
+@st.composite
+def _slab_sums(draw):
+  rank = draw(st.integers(1, 3))
+  shape = [draw(st.integers(1, 4)) for _ in range(rank)]
+  k = draw(st.integers(0, rank - 1))
+  cuts = sorted(draw(st.sets(st.integers(1, 7), min_size=1, max_size=4)))  # (a pad of no room is no slab)
+  bounds = [0] + cuts + [8]
+  shape[k] = bounds[-1] + draw(st.integers(0, 2))  # room the slabs may leave uncovered
+  first = draw(st.integers(0, shape[k] - 8))
+  slabs = [(first + a, first + b) for a, b in zip(bounds, bounds[1:])]
+  uses = [s for s in slabs for _ in range(draw(st.integers(1, 3)))]  # a layer per step
+  order = draw(st.permutations(range(len(uses))))
+  return shape, k, uses, order
+
+
+def _inputs(g, seed):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(-4, 5, p.shape).astype(np.float32) for p in g.params]  # exact sums
+
+
+@SETTINGS
+@given(_slab_sums(), st.integers(0, 2**16))
+def test_sum_of_pads_keeps_its_value(case, seed):
+  shape, k, uses, order = case
+  m, g = _program(shape, k, uses, order)
+  inputs = _inputs(g, seed)
+  before = _run(g, inputs)
+  canonicalize_graph(m, g)
+  np.testing.assert_array_equal(_run(g, inputs)[0], before[0])
+
+
+@SETTINGS
+@given(_slab_sums(), st.booleans())
+def test_slabs_added_in_stack_order_become_one_concatenation(case, reverse):
+  """Added slab after slab (each use of a slab next to its others, as a
+  sequential stack's layers are), the sum is one concatenation of per-slab
+  sums, padded where the slabs leave the dim uncovered: no add of pads left."""
+  shape, k, uses, _ = case
+  order = sorted(range(len(uses)), key=lambda j: uses[j], reverse=reverse)
+  m, g = _program(shape, k, uses, order)
+  canonicalize_graph(m, g)
+  top = g.results[0].producer
+  assert top.name in ("concatenate", "pad"), [op.name for op in g.ops]
+  assert not any(op.name == "add" and all(v.producer is not None and v.producer.name == "pad"
+                                         for v in op.operands)
+                 for op in g.ops)
+
+
+def test_interleaved_layers_group_by_slab():
+  """A pipeline stage's stack gradient: layers 1, 0, 1, 0 of two steps."""
+  m, g = _program([4, 3], 0, [(2, 4), (0, 2), (2, 4), (0, 2)], [0, 1, 2, 3])
+  inputs = _inputs(g, 0)
+  before = _run(g, inputs)
+  canonicalize_graph(m, g)
+  top = g.results[0].producer
+  assert top.name == "concatenate"
+  assert [v.producer.name for v in top.operands] == ["add", "add"]
+  np.testing.assert_array_equal(_run(g, inputs)[0], before[0])
+
+
+def test_overlapping_slabs_are_left_alone():
+  m, g = _program([6, 2], 0, [(0, 4), (2, 6)], [0, 1])
+  assert canonicalize_graph(m, g) == 0
+
+
+def test_slabs_with_a_gap_between_are_left_alone():
+  m, g = _program([6, 2], 0, [(0, 2), (4, 6)], [0, 1])
+  assert canonicalize_graph(m, g) == 0
+
+
+def test_pads_of_another_value_or_interior_padding_are_left_alone():
+  m, g = _program([4, 2], 0, [(0, 2), (2, 4)], [0, 1], padding=1.0)
+  assert canonicalize_graph(m, g) == 0
+  m, g = _program([3, 1], 0, [(0, 1), (1, 2)], [0, 1], interior=1)  # (units: no room added)
+  assert canonicalize_graph(m, g) == 0
+  m, g = _program([3, 1], 0, [(0, 1), (1, 2)], [0, 1])
+  assert canonicalize_graph(m, g) > 0  # the control: the same sum, plain pads
