@@ -39,6 +39,7 @@ from graphguard_hlo.passes.lemmas import (ELEMENTWISE, SeqOp, Step, apply_lemmas
 from graphguard_hlo.passes.pieces import Pieces
 from graphguard_hlo.passes.rank_arith import RankArithmetic
 from graphguard_hlo.passes.sums import SumRegrouping
+from graphguard_hlo.passes.stages import stage_joins
 from graphguard_hlo.passes.tile_lookup import recognize_tile_lookups
 from graphguard_hlo.passes.transfer import Transfer
 
@@ -370,6 +371,9 @@ class RelationInference:
             self.add_relation(result, Relation(cls, step.layout, step.lemma))
     if self.transfer.rings and op.name in ("reduce", "dot_general"):
       self._ring_folds(op, seq_op)
+    if op.name == "concatenate" and not self.whole_relations(op.results[0]):
+      for cls, layout in stage_joins(self, op):
+        self.add_relation(op.results[0], Relation(cls, layout, "stages-joined"))
     if len(op.results) == 1 and not self.whole_relations(op.results[0]):
       self.pieces.apply(op)
     if len(op.results) == 1 and not self.whole_relations(op.results[0]) \

@@ -138,13 +138,16 @@ class SumRegrouping:
     from graphguard_hlo.passes.inference import Relation
     inf = self.inf
     for ra, rb in itertools.product(inf.whole_relations(a), inf.whole_relations(b)):
-      if ra.layout != rb.layout or not ra.layout.is_plain():
+      # Pinned alike, the sum is known at the pins; zero elsewhere if both are.
+      zeros = ra.layout.zero_elsewhere and rb.layout.zero_elsewhere
+      layout = ra.layout.with_(zero_elsewhere=zeros)
+      if layout != rb.layout.with_(zero_elsewhere=zeros) or not layout.is_plain():
         continue
       cls = self._added(a, ra, rb)
       if cls is None:
         continue
       term = inf.new_term(a.type)
-      inf.add_relation(term, Relation(cls, ra.layout, "sum-regrouped"))
+      inf.add_relation(term, Relation(cls, layout, "sum-regrouped"))
       return term
     return None
 

@@ -1,0 +1,84 @@
+"""A stack put together from pipeline stages: each stage's rows pinned there.
+
+Pipeline stage s holds rows s*m .. s*m+m-1 of every stacked weight and
+computes their gradients, pinned to it: ``g_{s*m+i} ~ at[pp=s](d_i)``, one
+per-device value ``d_i`` for local layer i, holding layer s*m+i's gradient
+at stage s.  The sequential stack's gradient is (``slabs.py``)
+``concat(g_0, .., g_{n*m-1})``; the per-device one ``concat(d_0, .., d_{m-1})``.
+At rank s that is ``concat(g_{s*m}, .., g_{s*m+m-1})``, the stack's tile s:
+
+  concat_k(x_0, .., x_{n*m-1}),  x_{s*m+i} ~ at[x=s](L of d_i) for every s,
+  L not tiling k, widths along k the same at every stage
+    =>  ~ L with k tiled over x, of concat_k(d_0, .., d_{m-1})
+
+(an equation at each rank s, where the pins hold; L linear in each operand,
+partial sums included).  No single operand says this: each is known at one
+stage only, and lemmas lift pins only when the operands share them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Optional
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes import terms
+from graphguard_hlo.passes.layout import Layout
+
+# Beyond this many (class, layout) choices per layer, a join is not tried.
+_MAX_CHOICES = 8
+
+
+def _unpinned(layout: Layout, axis: str) -> Layout:
+  return layout.with_(at=tuple((a, c) for a, c in layout.at if a != axis), zero_elsewhere=False)
+
+
+def _slot_choices(inf, op: ir.Op, axis: str, n: int, m: int, i: int) -> set:
+  """(class, layout without the pin on ``axis``) that layer slot i of every
+  stage s is related to at ``axis = s``."""
+  common: Optional[set] = None
+  for s in range(n):
+    found = {(r.cls, _unpinned(r.layout, axis)) for r in inf.whole_relations(op.operands[s * m + i])
+             if dict(r.layout.at).get(axis) == s and r.layout.is_plain()}
+    common = found if common is None else common & found
+    if not common:
+      return set()
+  return common
+
+
+def stage_joins(inf, op: ir.Op) -> Iterator[tuple[int, Layout]]:
+  """(class, layout) of the seq concatenation ``op``'s result, put together
+  from stages over some mesh axis."""
+  if op.name != "concatenate" or len(op.results) != 1:
+    return
+  k, parts = op.attrs["dimension"], op.operands
+  for axis, n in inf.mesh.axes:
+    if n < 2 or len(parts) % n:
+      continue
+    m = len(parts) // n
+    if any(parts[s * m + i].shape[k] != parts[i].shape[k] for s in range(n) for i in range(m)):
+      continue
+    slots = [_slot_choices(inf, op, axis, n, m, i) for i in range(m)]
+    if not all(slots) or any(len(c) > _MAX_CHOICES for c in slots):
+      continue
+    for layout in {l for _, l in slots[0]}:
+      if layout.dims[k] or axis in layout.used_axes():
+        continue
+      classes = [[c for c, l in slot if l == layout] for slot in slots]
+      joined = layout.with_(dims=tuple((axis,) if d == k else axes
+                                       for d, axes in enumerate(layout.dims)))
+      local = joined.local_shape(op.results[0].shape, inf.mesh)
+      if local is None or not joined.is_valid():
+        continue
+      for children in itertools.product(*classes):
+        cls = children[0] if m == 1 else _concatenated(inf, children, k, local,
+                                                       op.results[0].type.dtype)
+        if cls is not None:
+          yield cls, joined
+          break
+
+
+def _concatenated(inf, children, k: int, local, dtype: str) -> Optional[int]:
+  inf.lookups += 1
+  return inf.deg.lookup(terms.op_head("concatenate", {"dimension": k},
+                                      ir.TensorType(tuple(local), dtype)), tuple(children))
