@@ -1091,11 +1091,21 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # stage 0 microbatch t - 1 at step t, so the last is never cut from the
   # batch and the first op of stage 0 (layernorm's mean, rmsnorm's square)
   # cannot be put together from the pieces.
-  for model, first_op in (("gpt2", "reduce"), ("llama3", "multiply")):
+  # Backward: the bubbles' cotangents are zeros (zeros.py), each stage's rows
+  # of a stacked gradient are its own (stages.py); and without the
+  # varying-axes checker, every stage's cotangent |pp| times too large, met
+  # where pp_grad's is.
+  for model, first_op, doubled_at in (("gpt2", "reduce", "add"),
+                                      ("llama3", "multiply", "output")):
     built.append(_shard_map_case(model, GPIPE, cfg, "ok", GPIPE.par()))
     built.append(_shard_map_case(model, GPIPE, cfg, "microbatch_fed_late",
                                  Parallel(run_stack=_gpipe_stages("pp", 4, inject_late=1)),
                                  "microbatch_skipped", first_op))
+    if grad:
+      built.append(_shard_map_grad_case(model, GPIPE, cfg))
+      built.append(_shard_map_grad_case(model, GPIPE, cfg, "double_counted_grad",
+                                        check_vma=False, bug="double_counted_grad",
+                                        bug_primitive=doubled_at))
   # Stages with tensor parallelism inside (2 x 4), and on the 2x2x2 mesh with
   # the batch over "dp" too: forward and backward.
   for model, strategy in itertools.product(MODELS, (PP_TP, DP_PP_TP)):
