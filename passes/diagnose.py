@@ -80,15 +80,19 @@ def _operand_problems(inf, op: ir.Op) -> list[str]:
   problems = []
   for v in op.operands:
     rels = inf.relations.get(v.id, [])
-    if not rels:
+    # A microbatched operand's pieces are what the per-device program reduces.
+    split = inf.pieces.splits.get(v.id)
+    pieces = [r for t in (split.terms if split else ()) for r in inf.relations.get(t.id, ())]
+    if not rels and not pieces:
       continue
-    collective = [w for r in rels for w in [_collective_words(inf, r.cls, r.layout)] if w]
-    if all(r.layout.partial for r in rels) and not collective:
+    collective = [w for r in rels + pieces for w in [_collective_words(inf, r.cls, r.layout)]
+                  if w]
+    if rels and all(r.layout.partial for r in rels) and not collective:
       r = rels[0]
       problems.append(f"operand %{v.id} is only known as a partial {r.layout.partial_kind} over "
                       f"{_axes(r.layout.partial)} that is never reduced before this "
                       f"{op.name} (missing all-reduce)")
-    elif all(not r.layout.is_clean() for r in rels):
+    elif rels and all(not r.layout.is_clean() for r in rels):
       problems.append(f"operand %{v.id}: {_scale_words(rels[0].layout.scale, inf.mesh)}")
     problems.extend(collective)  # reduced, but wrongly: say how
   return problems
