@@ -569,6 +569,13 @@ GPIPE = _Strategy("pp_gpipe", (4,), ("pp",), P(), _no_param_specs,
                   (("stacked_params", True), ("layers", 8), ("batch", 4)), layer_axis="pp")
 
 
+# GPipe with Megatron TP inside each stage: 2 stages x 4 tp ranks, 4 microbatches.
+PP_TP_GPIPE = _Strategy("pp_tp_gpipe", (2, 4), ("pp", "tp"), P(), _tp_param_spec,
+                        lambda: dataclasses.replace(_tp_par(), run_stack=_gpipe_stages("pp", 4)),
+                        (("stacked_params", True), ("layers", 4), ("batch", 4)),
+                        layer_axis="pp")
+
+
 def _staged(par: Parallel) -> Parallel:
   """``par``'s hooks inside each stage of a pipeline over "pp"."""
   return dataclasses.replace(par, run_stack=_pipeline_stages("pp"))
@@ -1106,6 +1113,18 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_shard_map_grad_case(model, GPIPE, cfg, "double_counted_grad",
                                         check_vma=False, bug="double_counted_grad",
                                         bug_primitive=doubled_at))
+  # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
+  # attention's partial sums reduced over ("pp", "tp") add another stage's
+  # microbatch: reported at the residual add, in the all-reduce's words.
+  for model in MODELS:
+    built.append(_shard_map_case(model, PP_TP_GPIPE, cfg, "ok", PP_TP_GPIPE.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, PP_TP_GPIPE, cfg))
+  built.append(_shard_map_case(
+      "gpt2", PP_TP_GPIPE, cfg, "wrong_replica_groups",
+      dataclasses.replace(_tp_par(lambda axis: _psum(("pp", axis))),
+                          run_stack=_gpipe_stages("pp", 4)),
+      "wrong_replica_groups", "add"))
   # Stages with tensor parallelism inside (2 x 4), and on the 2x2x2 mesh with
   # the batch over "dp" too: forward and backward.
   for model, strategy in itertools.product(MODELS, (PP_TP, DP_PP_TP)):
@@ -1262,6 +1281,7 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_adamw_case(model, _STRATEGIES["dp_tp"], cfg, "shard_map"))
       built.append(_adamw_case(model, _STRATEGIES["dp_tp"], cfg, "gspmd"))
       built.append(_adamw_case(model, PP, cfg, "shard_map"))
+      built.append(_adamw_case(model, GPIPE, cfg, "shard_map"))
       built.append(_adamw_case(model, FSDP, cfg, "gspmd"))
     built.append(_adamw_case("llama3", EP, cfg, "gspmd"))
     # Gradient accumulation: each rank's batch in microbatches (slices), the
