@@ -85,9 +85,10 @@ class ZeroFacts:
 
   def of(self, cls: int) -> frozenset:
     cls = self.deg.find(cls)
-    if self.deg.splat(cls) == 0.0:
-      return EVERYWHERE
-    return self._facts.get(cls, NOWHERE)
+    found = self._facts.get(cls)
+    if found is None:  # (memoized: the constructor adds to it, never takes away)
+      found = self._facts[cls] = EVERYWHERE if self.deg.splat(cls) == 0.0 else NOWHERE
+    return found
 
   def _operand(self, op: ir.Op, i: int) -> frozenset:
     v = op.operands[i]
@@ -107,17 +108,20 @@ class ZeroFacts:
       return frozenset(p for p in self._operand(op, 0) if not {a for a, _ in p} & axes)
     if name not in ZERO_PRESERVING:
       return NOWHERE
+    facts = [self._operand(op, i) for i in range(len(op.operands))]
+    if not any(facts):
+      return NOWHERE  # (most ops: nothing known zero anywhere)
     if name == "reduce" and (len(op.operands) != 2 or not op.regions or
                              reducer_kind(op.regions[0]) not in ("sum", "max", "min")):
       return NOWHERE  # a reducer body of its own need not map zeros to zero
     groups = ZERO_PRESERVING[name] or (tuple(range(len(op.operands))),)
     found: set = set()
     for group in groups:
-      if any(i >= len(op.operands) for i in group):
+      if any(i >= len(facts) for i in group):
         continue
       zero = EVERYWHERE
       for i in group:
-        zero = intersect(zero, self._operand(op, i))
+        zero = intersect(zero, facts[i])
       found |= zero
     return _minimal(found)
 
