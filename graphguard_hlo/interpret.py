@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from graphguard_hlo import ir, reference
-from graphguard_hlo.passes.collectives import reducer_kind
+from graphguard_hlo.passes.collectives import overwrites, reducer_kind
 
 Env = dict[int, list[np.ndarray]]  # value id -> its value on each rank
 
@@ -81,6 +81,8 @@ class Interpreter:
       if len(op.operands) != (3 if name == "scatter" else 2) or not op.regions:
         raise Unsupported(f"variadic {name}")
       kind = reducer_kind(op.regions[0])
+      if kind is None and name == "scatter" and overwrites(op.regions[0]):
+        kind = "replace"  # x.at[i].set(u)
       if kind is None:
         raise Unsupported("reducer")
       attrs = dict(attrs, **{"gg.reduction": kind})

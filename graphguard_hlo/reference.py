@@ -311,7 +311,8 @@ def scatter(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, attrs: dict
     if any(s < 0 or s + n > dim for s, n, dim in zip(start, sizes, x.shape)):
       continue
     place = tuple(slice(s, s + n) for s, n in zip(start, sizes))
-    out[place] = REDUCERS[kind](out[place], windows[b].reshape(sizes))
+    window = windows[b].reshape(sizes)
+    out[place] = window if kind == "replace" else REDUCERS[kind](out[place], window)
   return out
 
 

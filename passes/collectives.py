@@ -32,6 +32,13 @@ def reducer_kind(region: ir.Graph) -> Optional[str]:
   return _REDUCER_OPS.get(op.name)
 
 
+def overwrites(region: ir.Graph) -> bool:
+  """A scatter's combiner that keeps the update, ``^bb(a, b): return b``
+  (``x.at[i].set(u)``)."""
+  return (len(region.params) == 2 and not region.ops and len(region.results) == 1
+          and region.results[0] is region.params[1])
+
+
 def canonicalize_collectives(graph: ir.Graph, mesh: ir.Mesh) -> None:
   for op in graph.walk():
     if op.name not in COLLECTIVES:
