@@ -19,6 +19,7 @@ before anything is compared:
   broadcast(x) + broadcast(scalar), ints  -> broadcast(x + broadcast(scalar))
   clamp(a, broadcast(x), b), units only   -> broadcast(clamp(a', x, b'))
   select(p, true, false)                  -> p
+  select(p, a, b), p constant everywhere  -> a or b
   chlo.square(x)                          -> x * x
   select(scalar p, x, y), x not scalar    -> select(broadcast(p), x, y)
   transpose moving only unit dims         -> reshape
@@ -26,6 +27,11 @@ before anything is compared:
   all_to_all(reshape(v), k -> c)          -> reshape(all_to_all(v, s -> c'))
   reduce over size-1 dims (identity init) -> reshape
   add of zero pads into adjacent slabs    -> pad(concat(..)) (slabs.py)
+  x.at[i].set(u), i constant, x slabs     -> pad(concat(..)) (slabs.py)
+  reshape(x)[i], the reshape splitting k  -> reshape(x[i*n:(i+1)*n]) (slabs.py)
+  reshape(concat_k) merging k and k + 1   -> concat_k(reshapes) (slabs.py)
+  gather of one window, constant start    -> reshape(slice) (slabs.py)
+  slice(x.at[i].set(u)) missing row i     -> slice(x) (slabs.py)
   dot(a, b), b first by its dims          -> transpose(dot(b, a))   (rings only)
   the online softmax, telescoped          (online_softmax.py; rings only)
   (p / l) @ v                             -> (p @ v) / l            (rings only)
@@ -100,9 +106,18 @@ def _reshape_of_unit_broadcast(module, graph, op) -> Optional[ir.Value]:
   y = p.operands[0]
   if y.type != op.results[0].type:
     return None
-  if _unit_insert_positions(y.shape, x.shape) != tuple(p.attrs["broadcast_dimensions"]):
+  if not _inserts_unit_dims(p):
     return None
   return y
+
+
+def _inserts_unit_dims(op: ir.Op) -> bool:
+  """A broadcast that only inserts unit dims, wherever it puts them
+  (``[1, 3] -> [1, 1, 3]`` by dims (0, 2) or by (1, 2))."""
+  dims = tuple(op.attrs["broadcast_dimensions"])
+  src, dst = op.operands[0].shape, op.results[0].shape
+  return (dims == tuple(sorted(set(dims))) and all(src[i] == dst[d] for i, d in enumerate(dims))
+          and all(dst[d] == 1 for d in range(len(dst)) if d not in dims))
 
 
 def _broadcast_of_broadcast(module, graph, op) -> Optional[ir.Value]:
@@ -332,6 +347,48 @@ def _select_of_true_false(module, graph, op) -> Optional[ir.Value]:
   return None
 
 
+_CONSTANT_FOLDABLE = {"constant", "broadcast_in_dim", "reshape", "convert", "compare", "and",
+                      "or", "not", "reduce"}
+
+
+def _constant_value(v: ir.Value, depth: int = 8):
+  """``v``'s value if it is computed from constants alone by a few shape,
+  compare and logic ops (jax's in-bounds checks of a constant index); else None."""
+  import numpy as np
+  from graphguard_hlo import reference
+  from graphguard_hlo.passes.collectives import reducer_kind
+  op = v.producer
+  if op is None or op.name not in _CONSTANT_FOLDABLE or depth == 0 or len(op.results) != 1:
+    return None
+  if op.name == "constant":
+    value = op.attrs.get("value")
+    return value if isinstance(value, np.ndarray) else None
+  args = [_constant_value(x, depth - 1) for x in op.operands]
+  if any(a is None for a in args):
+    return None
+  attrs = dict(op.attrs)
+  if op.name == "reduce":
+    if not op.regions or reducer_kind(op.regions[0]) is None:
+      return None
+    attrs["gg.reduction"] = reducer_kind(op.regions[0])
+  try:
+    return np.asarray(reference.evaluate(op.name, attrs, args, op.results[0].type))
+  except (NotImplementedError, KeyError, ValueError, TypeError):
+    return None
+
+
+def _select_of_constant_predicate(module, graph, op) -> Optional[ir.Value]:
+  """select(p, a, b) with p the same constant everywhere -> a or b (jax's
+  transpose of ``x.at[i].set(u)`` checks a constant i is in bounds)."""
+  if op.name != "select" or op.operands[1].type != op.results[0].type:
+    return None
+  import numpy as np
+  p = _constant_value(op.operands[0])
+  if p is None or p.size == 0 or not (np.all(p) or not np.any(p)):
+    return None
+  return op.operands[1] if np.all(p) else op.operands[2]
+
+
 def _square_as_product(module, graph, op) -> Optional[ir.Value]:
   """chlo.square(x) -> x * x: ``jnp.square`` lowers to chlo's op, which XLA
   expands to a multiply (optax's global norm squares every gradient)."""
@@ -472,9 +529,17 @@ def _reduce_over_unit_dims(module, graph, op) -> Optional[ir.Value]:
   return _emit(module, graph, op, "reshape", [x], {})
 
 
-def _sum_of_slabs(module, graph, op) -> Optional[ir.Value]:
-  return slabs.sum_of_slabs(module, graph, op, _fresh,
-                            lambda new: _simplified_and_placed(module, graph, new), _emit)
+def _slab_rule(rule):
+  def pattern(module, graph, op) -> Optional[ir.Value]:
+    return rule(module, graph, op, _fresh,
+                lambda new: _simplified_and_placed(module, graph, new), _emit)
+  pattern.__name__ = f"_{rule.__name__}"
+  return pattern
+
+
+_SLAB_PATTERNS = tuple(_slab_rule(rule) for rule in (
+    slabs.sum_of_slabs, slabs.set_rows, slabs.slice_of_split_reshape,
+    slabs.reshape_of_concatenation, slabs.gather_one_window, slabs.slice_past_a_set))
 
 
 PATTERNS: tuple[Pattern, ...] = (
@@ -485,8 +550,9 @@ PATTERNS: tuple[Pattern, ...] = (
     _broadcast_expanding_units,
     _iota_as_broadcast, _add_zero, _offset_before_broadcast, _clamp_before_unit_broadcast,
     _select_of_true_false, _square_as_product, _select_of_scalar_predicate,
+    _select_of_constant_predicate,
     _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims,
-    _sum_of_slabs)
+    *_SLAB_PATTERNS)
 
 # Where the per-device program passes blocks round a ring (ring attention):
 # the online softmax telescoped, the sequential softmax dividing after its

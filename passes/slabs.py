@@ -26,8 +26,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
 from graphguard_hlo import ir
+from graphguard_hlo.passes.collectives import overwrites
 from graphguard_hlo.passes.terms import splat_value
+from graphguard_hlo.reference import dimension_numbers
 
 # (start, stop, value) along the slabs' dim, sorted by start.
 Slab = tuple[int, int, ir.Value]
@@ -99,8 +103,17 @@ def sum_of_slabs(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
   if zero is None:
     return None  # two concatenations: elementwise already, nothing gained
   slabs = merged(a[1], b[1])
-  if slabs is None or any(s1 != e0 for (_, e0, _), (s1, _, _) in zip(slabs, slabs[1:])):
-    return None  # overlapping in part, or a gap between slabs
+  if slabs is None:
+    return None  # overlapping in part
+  return assemble(module, graph, op, k, slabs, zero, fresh, place, emit)
+
+
+def assemble(module, graph, op, k: int, slabs: list, zero: ir.Value, fresh, place,
+             emit) -> Optional[ir.Value]:
+  """``op``'s result as the slabs along dim k (contiguous, sorted; a value or a
+  pair to add), concatenated and zero-padded where they leave the dim."""
+  if any(s1 != e0 for (_, e0, _), (s1, _, _) in zip(slabs, slabs[1:])):
+    return None  # a gap between slabs
   values = []
   for start, stop, x in slabs:
     if isinstance(x, tuple):
@@ -120,8 +133,184 @@ def sum_of_slabs(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
     body = place(concat)
   if not lo and not hi:
     return body
+  if zero is None:
+    return None  # no zero to pad with (the slabs came from a concatenation)
   rank = len(shape)
   pads = {"edge_padding_low": tuple(lo if d == k else 0 for d in range(rank)),
           "edge_padding_high": tuple(hi if d == k else 0 for d in range(rank)),
           "interior_padding": (0,) * rank}
   return emit(module, graph, op, "pad", [body, zero], pads)
+
+
+# -- buffers written at constant rows (``x.at[i].set(u)``), and batches reshaped ------
+
+def _set_window(op: ir.Op) -> Optional[tuple[int, int, int]]:
+  """(k, lo, hi) if ``op`` is ``x.at[i].set(u)`` with a constant i writing
+  rows [lo, hi) of dim k and every element of the other dims."""
+  if op.name != "scatter" or len(op.operands) != 3 or not op.regions \
+      or not overwrites(op.regions[0]):
+    return None
+  x, index, update = op.operands
+  dn = dimension_numbers(op.attrs["scatter_dimension_numbers"])
+  if dn.get("input_batching_dims") or dn.get("scatter_indices_batching_dims"):
+    return None
+  window_dims = tuple(dn.get("update_window_dims", ()))
+  inserted = tuple(dn.get("inserted_window_dims", ()))
+  to_operand = tuple(dn.get("scatter_dims_to_operand_dims", ()))
+  rows = [n for d, n in enumerate(index.shape) if d != dn["index_vector_dim"]]
+  at = splat_value(index)
+  rank = x.type.rank
+  covered = [d for d in range(rank) if d not in inserted]
+  if math.prod(rows) != 1 or at is None or len(to_operand) != 1 \
+      or list(window_dims) != sorted(window_dims) or len(covered) != len(window_dims) \
+      or any(update.shape[d] != 1 for d in range(update.type.rank) if d not in window_dims):
+    return None
+  sizes = [1] * rank
+  for d, w in zip(covered, window_dims):
+    sizes[d] = update.shape[w]
+  starts = [int(at) if d == to_operand[0] else 0 for d in range(rank)]
+  if any(s < 0 or s + n > m for s, n, m in zip(starts, sizes, x.shape)):
+    return None  # (XLA skips such a window: nothing written)
+  partial = [d for d in range(rank) if sizes[d] != x.shape[d]]
+  if len(partial) != 1:
+    return None
+  k = partial[0]
+  return k, starts[k], starts[k] + sizes[k]
+
+
+def set_rows(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """``x.at[i].set(u)`` with a constant i, x zeros or slabs: a scatter of one
+  window overwriting rows [i, i + n) of one dim, as the slab those rows become
+  (GPipe's outputs written into a buffer, microbatch by microbatch)."""
+  written = _set_window(op)
+  if written is None:
+    return None
+  k, lo, hi = written
+  x, _, update = op.operands
+  sizes = [hi - lo if d == k else n for d, n in enumerate(x.shape)]
+  window = update if tuple(update.shape) == tuple(sizes) else place(
+      fresh(module, "reshape", [update], {}, sizes, update.type.dtype, op.location))
+  new = (lo, hi, window)
+  if splat_value(x) == 0.0:
+    spread = x.producer
+    if spread is None or spread.name != "broadcast_in_dim" or spread.operands[0].type.rank:
+      return None
+    return assemble(module, graph, op, k, [new], spread.operands[0], fresh, place, emit)
+  found = slabs_of(x)
+  if found is None or found[0] != k:
+    return None
+  kept = []
+  for s0, e0, v in found[1]:
+    if (s0, e0) == (lo, hi):
+      continue  # overwritten
+    if s0 < hi and lo < e0:
+      return None  # overwritten in part
+    kept.append((s0, e0, v))
+  return assemble(module, graph, op, k, sorted(kept + [new], key=lambda t: t[0]), found[2],
+                  fresh, place, emit)
+
+
+def _split_dim(src, dst) -> Optional[int]:
+  """k if ``dst`` is ``src`` with dim k split in two (major, minor)."""
+  if len(dst) != len(src) + 1:
+    return None
+  for k in range(len(src)):
+    if tuple(src[:k]) == tuple(dst[:k]) and tuple(src[k + 1:]) == tuple(dst[k + 2:]) \
+        and dst[k] * dst[k + 1] == src[k]:
+      return k
+  return None
+
+
+def _is_reshape(op: Optional[ir.Op]) -> bool:
+  """A reshape, or a broadcast that only inserts unit dims (canonicalize.py's
+  spelling of such a reshape)."""
+  if op is None or op.name not in ("reshape", "broadcast_in_dim"):
+    return False
+  if op.name == "reshape":
+    return True
+  dims = tuple(op.attrs["broadcast_dimensions"])
+  return (math.prod(op.results[0].shape) == math.prod(op.operands[0].shape)
+          and dims == tuple(sorted(dims)))
+
+
+def slice_of_split_reshape(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """slice(reshape(x)), the reshape splitting x's dim k into (m, n) and the
+  slice taking rows [a, b) of the m only -> reshape(slice(x, rows [a*n, b*n)))
+  (``x.reshape(m, n, ...)[i]``: a batch's microbatch i)."""
+  if op.name != "slice" or not _is_reshape(op.operands[0].producer):
+    return None
+  r = op.operands[0]
+  x = r.producer.operands[0]
+  k = _split_dim(x.shape, r.shape)
+  start, limit, strides = (tuple(op.attrs[a]) for a in ("start_indices", "limit_indices",
+                                                        "strides"))
+  if k is None or set(strides) != {1}:
+    return None
+  if any((start[d], limit[d]) != (0, r.shape[d]) for d in range(len(r.shape)) if d != k):
+    return None
+  n = r.shape[k + 1]
+  shape = list(x.shape)
+  shape[k] = (limit[k] - start[k]) * n
+  rows = fresh(module, "slice", [x], {
+      "start_indices": tuple(start[k] * n if d == k else 0 for d in range(len(shape))),
+      "limit_indices": tuple(limit[k] * n if d == k else x.shape[d] for d in range(len(shape))),
+      "strides": (1,) * len(shape)}, shape, x.type.dtype, op.location)
+  return emit(module, graph, op, "reshape", [place(rows)], {})
+
+
+def reshape_of_concatenation(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """reshape(concat_k(xs)) merging dims k and k+1 -> concat_k of each x merged
+  alike (the microbatches' outputs put back into one batch)."""
+  if op.name != "reshape" or op.operands[0].producer is None \
+      or op.operands[0].producer.name != "concatenate":
+    return None
+  c = op.operands[0]
+  k = c.producer.attrs["dimension"]
+  if _split_dim(op.results[0].shape, c.shape) != k:
+    return None
+  parts = []
+  for x in c.producer.operands:
+    shape = list(x.shape[:k]) + [x.shape[k] * x.shape[k + 1]] + list(x.shape[k + 2:])
+    parts.append(place(fresh(module, "reshape", [x], {}, shape, x.type.dtype, op.location)))
+  return emit(module, graph, op, "concatenate", parts, {"dimension": k})
+
+
+def gather_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """gather of one window at a constant start -> reshape(slice) (the
+  transpose of ``x.at[i].set(u)`` reads the window's cotangent so)."""
+  if op.name != "gather" or len(op.operands) != 2:
+    return None
+  x, index = op.operands
+  dn = dimension_numbers(op.attrs["dimension_numbers"])
+  sizes = tuple(op.attrs["slice_sizes"])
+  collapsed = tuple(dn.get("collapsed_slice_dims", ()))
+  start_map = tuple(dn.get("start_index_map", ()))
+  at = splat_value(index)
+  if dn.get("operand_batching_dims") or at is None or len(start_map) != 1 \
+      or index.type.rank != 1 or dn["index_vector_dim"] != 0 \
+      or tuple(dn.get("offset_dims", ())) != tuple(range(x.type.rank - len(collapsed))):
+    return None
+  k = start_map[0]
+  start = min(max(int(at), 0), x.shape[k] - sizes[k])  # gather clamps the window in
+  window = fresh(module, "slice", [x], {
+      "start_indices": tuple(start if d == k else 0 for d in range(x.type.rank)),
+      "limit_indices": tuple(start + sizes[k] if d == k else sizes[d]
+                             for d in range(x.type.rank)),
+      "strides": (1,) * x.type.rank}, sizes, x.type.dtype, op.location)
+  return emit(module, graph, op, "reshape", [place(window)], {})
+
+
+def slice_past_a_set(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """slice(x.at[i].set(u)) of rows the set does not touch -> slice(x) (the
+  cotangent of a buffer, its rows read one by one as each is zeroed)."""
+  if op.name != "slice" or op.operands[0].producer is None \
+      or op.operands[0].producer.name != "scatter":
+    return None
+  written = _set_window(op.operands[0].producer)
+  if written is None:
+    return None
+  k, lo, hi = written
+  start, limit = op.attrs["start_indices"], op.attrs["limit_indices"]
+  if start[k] < hi and lo < limit[k]:
+    return None  # reads a row the set wrote
+  return emit(module, graph, op, "slice", [op.operands[0].producer.operands[0]], dict(op.attrs))

@@ -377,3 +377,41 @@ def test_transpose_moving_only_unit_dims_is_a_reshape(perm, folds):
   assert (canonicalize_graph(m, g) > 0) == folds
   assert ([op.name for op in g.ops] == ["reshape"]) == folds
   np.testing.assert_array_equal(_run(g, [x])[0], before[0])
+
+
+def test_select_on_a_constant_predicate_is_its_branch():
+  """jax checks a constant index is in bounds: and(i >= 0, i <= n - 1), a constant."""
+  for index, want in ((2, "on_true"), (7, "on_false")):
+    m, g = _graph([_t(3), _t(3)])
+    i = _op(m, g, "constant", [], _t(dtype="i32"), value=np.array(index, np.int32))
+    lo = _op(m, g, "constant", [], _t(dtype="i32"), value=np.array(0, np.int32))
+    hi = _op(m, g, "constant", [], _t(dtype="i32"), value=np.array(3, np.int32))
+    ge = _op(m, g, "compare", [i, lo], _t(dtype="pred"), comparison_direction="GE",
+             compare_type="SIGNED")
+    le = _op(m, g, "compare", [i, hi], _t(dtype="pred"), comparison_direction="LE",
+             compare_type="SIGNED")
+    ok = _op(m, g, "and", [ge, le], _t(dtype="pred"))
+    mask = _op(m, g, "broadcast_in_dim", [ok], _t(3, dtype="pred"), broadcast_dimensions=())
+    g.results = [_op(m, g, "select", [mask, *g.params], _t(3))]
+    inputs = [np.arange(3.0), -np.arange(3.0)]
+    before = _run(g, inputs)
+    assert canonicalize_graph(m, g) > 0
+    assert g.results[0] is g.params[0 if want == "on_true" else 1]
+    np.testing.assert_array_equal(_run(g, inputs)[0], before[0])
+
+
+def test_select_on_a_mixed_constant_predicate_is_left_alone():
+  m, g = _graph([_t(2), _t(2)])
+  p = _op(m, g, "constant", [], _t(2, dtype="pred"), value=np.array([True, False]))
+  g.results = [_op(m, g, "select", [p, *g.params], _t(2))]
+  canonicalize_graph(m, g)
+  assert g.results[0].producer.name == "select"
+
+
+def test_reshape_undoing_a_unit_broadcast_wherever_it_put_the_unit():
+  """[1, 3] -> [1, 1, 3] by dims (1, 2) (the unit inserted first) and back."""
+  m, g = _graph([_t(1, 3)])
+  b = _op(m, g, "broadcast_in_dim", g.params, _t(1, 1, 3), broadcast_dimensions=(1, 2))
+  g.results = [_op(m, g, "reshape", [b], _t(1, 3))]
+  assert canonicalize_graph(m, g) > 0
+  assert g.results[0] is g.params[0]

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from graphguard_hlo import ir, reference
-from graphguard_hlo.passes.canonicalize import canonicalize_graph
+from graphguard_hlo.passes.canonicalize import canonicalize_graph, canonicalize_module
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True)
 
@@ -123,3 +123,111 @@ def test_pads_of_another_value_or_interior_padding_are_left_alone():
   assert canonicalize_graph(m, g) == 0
   m, g = _program([3, 1], 0, [(0, 1), (1, 2)], [0, 1])
   assert canonicalize_graph(m, g) > 0  # the control: the same sum, plain pads
+
+
+# -- buffers set row by row, batches reshaped into microbatches (lowered from jax) ------
+
+def _lowered(fn, *args):
+  from graphguard_hlo.lowering import lower_sequential
+  from graphguard_hlo.passes.inline import inline_calls
+  m = lower_sequential(fn, *args)
+  inline_calls(m)
+  return m, m.main
+
+
+def _interpret(g, args):
+  from graphguard_hlo.interpret import Interpreter
+  env = Interpreter(1).run(g, [[np.asarray(a)] for a in args])
+  return [np.asarray(env[v.id][0]) for v in g.results]
+
+
+def _same_after_canonicalizing(fn, *args):
+  """fn's lowered graph, canonicalized, computes what it did; its op names after."""
+  m, g = _lowered(fn, *args)
+  before = _interpret(g, args)
+  canonicalize_module(m)
+  after = _interpret(g, args)
+  for a, b in zip(before, after):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  return {op.name for op in g.walk()}
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.integers(2, 4), st.integers(1, 3), st.data())
+def test_a_buffer_set_row_by_row_is_a_concatenation(rows, size, data):
+  """x.reshape(rows, size, 3)[i] read and ``.at[j].set`` written in any order
+  (a row may be written twice; the last write wins), then the buffer reshaped
+  back: the same numbers, and, while the rows written leave no gap, slices,
+  pads and concatenations only (a gap is left a scatter)."""
+  import jax.numpy as jnp
+  order = data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=rows + 2))
+  x = np.random.default_rng(rows * 10 + size).standard_normal((rows * size, 3)).astype(
+      np.float32)
+
+  def fn(x):
+    batches = x.reshape(rows, size, 3)
+    out = jnp.zeros_like(batches)
+    for step, j in enumerate(order):
+      out = out.at[j].set(jnp.tanh(batches[(j + step) % rows]) * (step + 1))
+    return out.reshape(x.shape)
+  names = _same_after_canonicalizing(fn, x)
+  written = [set(order[:k + 1]) for k in range(len(order))]
+  if all(max(w) - min(w) + 1 == len(w) for w in written):  # rows without gaps, always
+    assert "scatter" not in names and "gather" not in names, names
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.integers(2, 4), st.integers(1, 3))
+def test_the_gradient_of_a_buffered_pipeline_reads_rows_by_slices(rows, size):
+  """The transpose of ``.at[m].set``: the cotangent's row read by a gather, the
+  row zeroed by a scatter, an in-bounds check on the constant index: slices."""
+  import jax
+  import jax.numpy as jnp
+  x = np.random.default_rng(rows + size).standard_normal((rows * size, 3)).astype(np.float32)
+
+  def loss(x):
+    batches = x.reshape(rows, size, 3)
+    out = jnp.zeros_like(batches)
+    for m in range(rows):
+      out = out.at[m].set(jnp.tanh(batches[m]))
+    return jnp.sum(out.reshape(x.shape) ** 2)
+  names = _same_after_canonicalizing(jax.grad(loss), x)
+  assert not names & {"scatter", "gather", "select"}, names
+
+
+def test_a_row_set_over_part_of_another_is_left_alone():
+  import jax.numpy as jnp
+
+  def fn(x):
+    out = jnp.zeros((4, 3)).at[0:2].set(x[0:2]).at[1:3].set(x[2:4])
+    return out
+  names = _same_after_canonicalizing(fn, np.ones((4, 3), np.float32))
+  assert "scatter" in names or "dynamic_update_slice" in names, names
+
+
+def test_a_row_set_at_a_traced_index_is_left_alone():
+  import jax.numpy as jnp
+
+  def fn(x, i):
+    return jnp.zeros((4, 3)).at[i].set(x)
+  names = _same_after_canonicalizing(fn, np.ones((3,), np.float32), np.int32(2))
+  assert names & {"scatter", "dynamic_update_slice"}, names
+
+
+def test_slices_past_a_set_row_read_the_buffer_and_the_set_row_reads_the_update():
+  def fn(x, y):
+    out = x.at[1].set(y)
+    return out[0:1], out[2:4], out[1:2], out[0:2]
+  names = _same_after_canonicalizing(fn, np.arange(12.0, dtype=np.float32).reshape(4, 3),
+                                     -np.ones((3,), np.float32))
+  assert "scatter" in names  # (read over the row it set: the set stays)
+
+
+def test_a_row_set_inside_a_wider_slab_is_left_alone():
+  """pad(x, rows 0..2) then .at[1].set(u): row 1 of a two-row slab."""
+  import jax.numpy as jnp
+
+  def fn(x, u):
+    return jnp.pad(x, ((0, 2), (0, 0))).at[1].set(u)
+  names = _same_after_canonicalizing(fn, np.ones((2, 3), np.float32), -np.ones((3,), np.float32))
+  assert "scatter" in names, names
