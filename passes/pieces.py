@@ -331,6 +331,13 @@ class Pieces:
                   f"into pieces of {bounds[0][1] - bounds[0][0]} along dim {dim} "
                   f"({', '.join(f'{a}:{b}' for a, b in bounds)} of {size}) but never takes "
                   f"rows {', '.join(map(str, never))} (a microbatch skipped?)")
+    for v in op.operands:
+      order = self._joined_in_another_order(v)
+      if order:
+        return (f"the per-device program puts this op's operand together from its "
+                f"{len(order)} pieces along dim {self.splits[v.id].dim} in the order "
+                f"{', '.join(map(str, order))} (pieces concatenated, or written into a "
+                f"buffer, in the wrong order?)")
     if id(op) not in self.missed:
       return ""
     dim, count, missed = self.missed[id(op)]
@@ -341,6 +348,25 @@ class Pieces:
             f"{', '.join(map(str, done))} of the {count} its operand is cut into along "
             f"dim {dim}, but never on piece{'s' if len(missed) > 1 else ''} "
             f"{', '.join(map(str, missed))} (a microbatch skipped, or taken twice?)")
+
+  def _joined_in_another_order(self, v: ir.Value) -> Optional[list[int]]:
+    """The order of the pieces a per-device concatenation of all of ``v``'s
+    pieces takes, if not theirs."""
+    split = self.splits.get(v.id)
+    if split is None:
+      return None
+    inf = self.inf
+    piece_of = {r.cls: m for m, t in enumerate(split.terms)
+                for r in inf.relations.get(t.id, ())}
+    for cls in piece_of:
+      for user in inf.users.get(cls, ()):
+        if user.name != "concatenate" or len(user.operands) != len(split.terms):
+          continue
+        order = [piece_of.get(inf.deg.of(x)) for x in user.operands]
+        if None not in order and sorted(order) == list(range(len(order))) \
+            and order != sorted(order):
+          return order
+    return None
 
   def describe(self, v: ir.Value) -> list[str]:
     split = self.splits.get(v.id)
