@@ -23,8 +23,11 @@ SINGLE_OUTPUT = [c for c in ALL
 # attention averages identical rows whatever the RoPE angles are; the loss
 # moves by ~1e-3 (2x numeric's tolerance) against ~0.1 with uniform tokens.
 # And ids looked up unshifted in each rank's rows: token 0 is rank 0's, right.
+# And GPipe's microbatch outputs written at rotated rows: with every token 0,
+# GPT-2's batch rows are one row repeated, so any order of them is the same.
 WEAK_UNDER_GAUSSIAN_TOKENS = {"llama3/sp/shard_map/rope_no_offset",
-                              "gpt2/tp_vocab_take/shard_map/vocab_ids_not_offset"}
+                              "gpt2/tp_vocab_take/shard_map/vocab_ids_not_offset",
+                              "gpt2/pp_gpipe_buffered/shard_map/output_misplaced"}
 
 
 def _ids(case):
@@ -50,7 +53,7 @@ def test_names_and_metadata():
                                    "slots_over_all_tokens", "missing_allgather",
                                    "nll_max_not_reduced", "vocab_ids_not_offset",
                                    "norm_counts_replicas", "grad_not_divided",
-                                   "microbatch_skipped"}
+                                   "microbatch_skipped", "output_misplaced"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "tp_vocab", "sp", "dp_tp", "cp", "dp_tp_cp", "dp_take"):
       for style in ("shard_map", "gspmd"):
@@ -66,6 +69,7 @@ def test_names_and_metadata():
     strategies.get(f"{model}/dp_accum2/shard_map/ok")
     strategies.get(f"{model}/pp_gpipe/shard_map/ok")
     strategies.get(f"{model}/pp_gpipe_grad/shard_map/ok")
+    strategies.get(f"{model}/pp_gpipe_buffered_grad/shard_map/ok")
     strategies.get(f"{model}/pp_tp_gpipe_grad/shard_map/ok")
     strategies.get(f"{model}/pp_gpipe_adamw/shard_map/ok")
     strategies.get(f"{model}/dp_tp_accum4/shard_map/ok")

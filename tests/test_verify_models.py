@@ -71,6 +71,8 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/pp_tp/shard_map/wrong_replica_groups": "wrong replica groups",
     "llama3/pp_grad/shard_map/double_counted_grad": "4 times its share",
     "gpt2/pp_gpipe_grad/shard_map/double_counted_grad": "4 times the sequential one",
+    "gpt2/pp_gpipe_buffered/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
+    "llama3/pp_gpipe_buffered/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
     "gpt2/pp_tp_gpipe/shard_map/wrong_replica_groups": "reduces over 'pp', 'tp' but the partial "
                                                        "sum is over 'tp' (wrong replica groups",
     "llama3/pp_gpipe_grad/shard_map/double_counted_grad": "4 times its share",

@@ -447,29 +447,40 @@ def _pipeline_stages(axis, shift=1):
   return run
 
 
-def _gpipe_stages(axis, microbatches, shift=1, inject_late=0):
+def _gpipe_stages(axis, microbatches, shift=1, inject_late=0, buffered=False, misplaced=0):
   """GPipe over ``axis``: each rank's batch in ``microbatches`` slices; at
   step t stage 0 takes microbatch t, every stage runs its layers on what it
   holds and passes it on, and the last stage finishes microbatch t - (n - 1).
   Its outputs, concatenated, are handed to everyone by a masked psum.
   ``inject_late``: the seeded bug, stage 0 taking microbatch t - 1 at step t
-  (the first one twice, the last never)."""
+  (the first one twice, the last never).  ``buffered``: the microbatches read
+  from the batch reshaped to [microbatches, rows, ...] and the outputs written
+  into a zero buffer by ``.at[m].set``, as the JAX pipelining examples do;
+  ``misplaced``: the seeded bug, microbatch m's output written at row
+  m + misplaced (mod the count)."""
   def run(h, stacked, layer):
     n = lax.axis_size(axis)
     stage = lax.axis_index(axis)
     size = h.shape[0] // microbatches
-    pieces = [h[m * size:(m + 1) * size] for m in range(microbatches)]
+    if buffered:
+      batches = h.reshape((microbatches, size) + h.shape[1:])
+      pieces = [batches[m] for m in range(microbatches)]
+      outputs = jnp.zeros_like(batches)
+    else:
+      pieces = [h[m * size:(m + 1) * size] for m in range(microbatches)]
     state = jnp.zeros_like(pieces[0])
     outs = []
     for t in range(microbatches + n - 1):
       if t < microbatches:
         state = jnp.where(stage == 0, pieces[max(t - inject_late, 0)], state)
       state = run_stack_in_order(state, stacked, layer)
-      if t >= n - 1:
+      if t >= n - 1 and buffered:
+        outputs = outputs.at[(t - (n - 1) + misplaced) % microbatches].set(state)
+      elif t >= n - 1:
         outs.append(state)
       if t < microbatches + n - 2:
         state = lax.ppermute(state, axis, _ring_perm(n, shift))
-    out = jnp.concatenate(outs, axis=0)
+    out = outputs.reshape(h.shape) if buffered else jnp.concatenate(outs, axis=0)
     return lax.psum(jnp.where(stage == n - 1, out, 0.0), axis)
   return run
 
@@ -568,6 +579,12 @@ GPIPE = _Strategy("pp_gpipe", (4,), ("pp",), P(), _no_param_specs,
                   lambda: Parallel(run_stack=_gpipe_stages("pp", 4)),
                   (("stacked_params", True), ("layers", 8), ("batch", 4)), layer_axis="pp")
 
+
+# GPipe written with buffers: the batch reshaped into microbatches, the
+# outputs set into a zero buffer row by row.
+GPIPE_BUFFERED = dataclasses.replace(
+    GPIPE, name="pp_gpipe_buffered",
+    par=lambda: Parallel(run_stack=_gpipe_stages("pp", 4, buffered=True)))
 
 # GPipe with Megatron TP inside each stage: 2 stages x 4 tp ranks, 4 microbatches.
 PP_TP_GPIPE = _Strategy("pp_tp_gpipe", (2, 4), ("pp", "tp"), P(), _tp_param_spec,
@@ -1113,6 +1130,18 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_shard_map_grad_case(model, GPIPE, cfg, "double_counted_grad",
                                         check_vma=False, bug="double_counted_grad",
                                         bug_primitive=doubled_at))
+  # GPipe as the JAX pipelining examples write it: the batch reshaped into
+  # microbatches, the outputs set into a buffer row by row (slabs.py); the
+  # bug writes microbatch m's output at row m + 1, reported at the first op
+  # reading the pipeline's output with the order the rows were put in.
+  for model, first_op in (("gpt2", "reduce"), ("llama3", "multiply")):
+    built.append(_shard_map_case(model, GPIPE_BUFFERED, cfg, "ok", GPIPE_BUFFERED.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, GPIPE_BUFFERED, cfg))
+    built.append(_shard_map_case(
+        model, GPIPE_BUFFERED, cfg, "output_misplaced",
+        Parallel(run_stack=_gpipe_stages("pp", 4, buffered=True, misplaced=1)),
+        "output_misplaced", first_op))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
   # attention's partial sums reduced over ("pp", "tp") add another stage's
   # microbatch: reported at the residual add, in the all-reduce's words.
