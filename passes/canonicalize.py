@@ -529,17 +529,19 @@ def _reduce_over_unit_dims(module, graph, op) -> Optional[ir.Value]:
   return _emit(module, graph, op, "reshape", [x], {})
 
 
-def _slab_rule(rule):
-  def pattern(module, graph, op) -> Optional[ir.Value]:
-    return rule(module, graph, op, _fresh,
-                lambda new: _simplified_and_placed(module, graph, new), _emit)
-  pattern.__name__ = f"_{rule.__name__}"
-  return pattern
+# slabs.py's rules by the op they rewrite (one lookup per op, not one call per rule).
+_SLAB_RULES = {"add": (slabs.sum_of_slabs,), "scatter": (slabs.set_rows,),
+               "slice": (slabs.slice_of_split_reshape, slabs.slice_past_a_set),
+               "reshape": (slabs.reshape_of_concatenation,), "gather": (slabs.gather_one_window,)}
 
 
-_SLAB_PATTERNS = tuple(_slab_rule(rule) for rule in (
-    slabs.sum_of_slabs, slabs.set_rows, slabs.slice_of_split_reshape,
-    slabs.reshape_of_concatenation, slabs.gather_one_window, slabs.slice_past_a_set))
+def _slab_forms(module, graph, op) -> Optional[ir.Value]:
+  for rule in _SLAB_RULES.get(op.name, ()):
+    found = rule(module, graph, op, _fresh,
+                 lambda new: _simplified_and_placed(module, graph, new), _emit)
+    if found is not None:
+      return found
+  return None
 
 
 PATTERNS: tuple[Pattern, ...] = (
@@ -552,7 +554,7 @@ PATTERNS: tuple[Pattern, ...] = (
     _select_of_true_false, _square_as_product, _select_of_scalar_predicate,
     _select_of_constant_predicate,
     _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims,
-    *_SLAB_PATTERNS)
+    _slab_forms)
 
 # Where the per-device program passes blocks round a ring (ring attention):
 # the online softmax telescoped, the sequential softmax dividing after its
