@@ -46,6 +46,7 @@ from typing import Callable, Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes import online_softmax, slabs
+from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 
 Pattern = Callable[[ir.Module, ir.Graph, ir.Op], Optional[ir.Value]]
 
@@ -106,18 +107,10 @@ def _reshape_of_unit_broadcast(module, graph, op) -> Optional[ir.Value]:
   y = p.operands[0]
   if y.type != op.results[0].type:
     return None
-  if not _inserts_unit_dims(p):
+  # Wherever the broadcast put the units: [1, 3] -> [1, 1, 3] by dims (0, 2) or (1, 2).
+  if not only_unit_dims_change(p.name, p.attrs, y.type, x.type):
     return None
   return y
-
-
-def _inserts_unit_dims(op: ir.Op) -> bool:
-  """A broadcast that only inserts unit dims, wherever it puts them
-  (``[1, 3] -> [1, 1, 3]`` by dims (0, 2) or by (1, 2))."""
-  dims = tuple(op.attrs["broadcast_dimensions"])
-  src, dst = op.operands[0].shape, op.results[0].shape
-  return (dims == tuple(sorted(set(dims))) and all(src[i] == dst[d] for i, d in enumerate(dims))
-          and all(dst[d] == 1 for d in range(len(dst)) if d not in dims))
 
 
 def _broadcast_of_broadcast(module, graph, op) -> Optional[ir.Value]:

@@ -24,13 +24,13 @@ tensor's microbatch gradients are the pieces ``pieces.py`` joins.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.collectives import overwrites
 from graphguard_hlo.passes.terms import splat_value
+from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 from graphguard_hlo.reference import dimension_numbers
 
 # (start, stop, value) along the slabs' dim, sorted by start.
@@ -224,13 +224,16 @@ def _split_dim(src, dst) -> Optional[int]:
 def _is_reshape(op: Optional[ir.Op]) -> bool:
   """A reshape, or a broadcast that only inserts unit dims (canonicalize.py's
   spelling of such a reshape)."""
-  if op is None or op.name not in ("reshape", "broadcast_in_dim"):
-    return False
-  if op.name == "reshape":
-    return True
-  dims = tuple(op.attrs["broadcast_dimensions"])
-  return (math.prod(op.results[0].shape) == math.prod(op.operands[0].shape)
-          and dims == tuple(sorted(dims)))
+  return op is not None and (op.name == "reshape" or only_unit_dims_change(
+      op.name, op.attrs, op.operands[0].type, op.results[0].type))
+
+
+def _slice(module, fresh, x: ir.Value, starts, limits, location) -> ir.Op:
+  """A fresh unit-stride slice of x from ``starts`` to ``limits``."""
+  return fresh(module, "slice", [x], {"start_indices": tuple(starts),
+                                      "limit_indices": tuple(limits),
+                                      "strides": (1,) * x.type.rank},
+               [b - a for a, b in zip(starts, limits)], x.type.dtype, location)
 
 
 def slice_of_split_reshape(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
@@ -249,12 +252,8 @@ def slice_of_split_reshape(module, graph, op, fresh, place, emit) -> Optional[ir
   if any((start[d], limit[d]) != (0, r.shape[d]) for d in range(len(r.shape)) if d != k):
     return None
   n = r.shape[k + 1]
-  shape = list(x.shape)
-  shape[k] = (limit[k] - start[k]) * n
-  rows = fresh(module, "slice", [x], {
-      "start_indices": tuple(start[k] * n if d == k else 0 for d in range(len(shape))),
-      "limit_indices": tuple(limit[k] * n if d == k else x.shape[d] for d in range(len(shape))),
-      "strides": (1,) * len(shape)}, shape, x.type.dtype, op.location)
+  rows = _slice(module, fresh, x, [start[k] * n if d == k else 0 for d in range(x.type.rank)],
+                [limit[k] * n if d == k else m for d, m in enumerate(x.shape)], op.location)
   return emit(module, graph, op, "reshape", [place(rows)], {})
 
 
@@ -292,11 +291,8 @@ def gather_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.Valu
     return None
   k = start_map[0]
   start = min(max(int(at), 0), x.shape[k] - sizes[k])  # gather clamps the window in
-  window = fresh(module, "slice", [x], {
-      "start_indices": tuple(start if d == k else 0 for d in range(x.type.rank)),
-      "limit_indices": tuple(start + sizes[k] if d == k else sizes[d]
-                             for d in range(x.type.rank)),
-      "strides": (1,) * x.type.rank}, sizes, x.type.dtype, op.location)
+  window = _slice(module, fresh, x, [start if d == k else 0 for d in range(x.type.rank)],
+                  [start + sizes[k] if d == k else n for d, n in enumerate(sizes)], op.location)
   return emit(module, graph, op, "reshape", [place(window)], {})
 
 
