@@ -325,20 +325,41 @@ def apply_rope(x, cos, sin):
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """A model cut where a pipeline cuts it: ``embed(tokens, p) -> h`` and
+  ``head(h, labels, p) -> loss`` read the parameters by name (``p``, a dict);
+  ``layer(h, w, tables)`` reads its weights as ``w(base)`` and the tables
+  ``tables(tokens)`` built once for every layer (Llama's rotary tables)."""
+  embed: Callable
+  tables: Callable
+  layer: Callable
+  head: Callable
+
+
+def _loss_of_parts(parts: Parts, model: str, tokens, labels, params, cfg: Config,
+                   par: Parallel):
+  p = _unpack(model, cfg, params)
+  h = parts.embed(tokens, p)
+  tables = parts.tables(tokens)
+  h = _run_layers(h, p, cfg, lambda h, w: parts.layer(h, w, tables), par)
+  return parts.head(h, labels, p)
+
+
 # --------------------------------------------------------------------------
 # GPT-2.
 # --------------------------------------------------------------------------
 
 
-def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
-  p = _unpack("gpt2", cfg, params)
+def gpt2_parts(cfg: Config, par: Parallel = SEQUENTIAL) -> Parts:
   hd = cfg.head_dim
-  wte = p["wte"]
-  # Token embedding plus learned positions (wpe holds this device's rows:
-  # all of them, or its sequence shard).
-  h = par.embed_tokens(tokens, wte, cfg) + p["wpe"][None]
 
-  def layer(h, w):
+  def embed_in(tokens, p):
+    # Token embedding plus learned positions (wpe holds this device's rows:
+    # all of them, or its sequence shard).
+    return par.embed_tokens(tokens, p["wte"], cfg) + p["wpe"][None]
+
+  def layer(h, w, tables):
     a = par.gather_seq(layernorm(h, w("ln1_g"), w("ln1_b")))
     b, s, _ = a.shape
     q = (a @ w("wq") + w("bq")).reshape(b, s, -1, hd)
@@ -354,10 +375,16 @@ def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
     mlp = jax.nn.gelu(m @ w("w_fc") + w("b_fc"), approximate=True) @ w("w_proj")
     return h + (par.reduce_mlp(mlp) + w("b_proj"))
 
-  h = _run_layers(h, p, cfg, layer, par)
-  h = layernorm(h, p["lnf_g"], p["lnf_b"])
-  logits = h @ wte.T                              # tied output head
-  return par.combine_loss(par.token_nll(logits, labels, cfg))
+  def head_out(h, labels, p):
+    h = layernorm(h, p["lnf_g"], p["lnf_b"])
+    logits = h @ p["wte"].T                         # tied output head
+    return par.combine_loss(par.token_nll(logits, labels, cfg))
+
+  return Parts(embed_in, lambda tokens: None, layer, head_out)
+
+
+def gpt2_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
+  return _loss_of_parts(gpt2_parts(cfg, par), "gpt2", tokens, labels, params, cfg, par)
 
 
 # --------------------------------------------------------------------------
@@ -382,15 +409,18 @@ def _gqa_attention(a, wq, wk, wv, cos, sin, cfg: Config, par: Parallel):
   return causal_attention(q, k, v, par.causal_mask)
 
 
-def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
-  p = _unpack("llama3", cfg, params)
-  h = par.embed_tokens(tokens, p["emb"], cfg)
-  # Positions of this device's tokens, gathered like the activations: the
-  # rotary tables are built for the full sequence attention runs over.
-  pos = par.gather_seq(par.positions(tokens.shape[1]), 0)
-  cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_base)
+def llama3_parts(cfg: Config, par: Parallel = SEQUENTIAL) -> Parts:
+  def embed_in(tokens, p):
+    return par.embed_tokens(tokens, p["emb"], cfg)
 
-  def layer(h, w):
+  def tables(tokens):
+    # Positions of this device's tokens, gathered like the activations: the
+    # rotary tables are built for the full sequence attention runs over.
+    pos = par.gather_seq(par.positions(tokens.shape[1]), 0)
+    return rope_tables(pos, cfg.head_dim, cfg.rope_base)
+
+  def layer(h, w, tables):
+    cos, sin = tables
     a = par.gather_seq(rmsnorm(h, w("attn_norm")))
     attn = _gqa_attention(a, w("wq"), w("wk"), w("wv"), cos, sin, cfg, par)
     h = h + par.reduce_attn(attn @ w("wo"))
@@ -400,10 +430,16 @@ def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL)
     mlp = (jax.nn.silu(m @ w("w_gate")) * (m @ w("w_up"))) @ w("w_down")
     return h + par.reduce_mlp(mlp)
 
-  h = _run_layers(h, p, cfg, layer, par)
-  h = rmsnorm(h, p["final_norm"])
-  logits = h @ p["head"]                          # untied output head
-  return par.combine_loss(par.token_nll(logits, labels, cfg))
+  def head_out(h, labels, p):
+    h = rmsnorm(h, p["final_norm"])
+    logits = h @ p["head"]                          # untied output head
+    return par.combine_loss(par.token_nll(logits, labels, cfg))
+
+  return Parts(embed_in, tables, layer, head_out)
+
+
+def llama3_loss(tokens, labels, params, cfg: Config, par: Parallel = SEQUENTIAL):
+  return _loss_of_parts(llama3_parts(cfg, par), "llama3", tokens, labels, params, cfg, par)
 
 
 def moe_mlp(m, w, par: Parallel, top_k: int, capacity: int = 0, router: str = "argmax"):
@@ -455,6 +491,7 @@ def _swiglu_experts(x, w):
 
 
 LOSSES = {"gpt2": gpt2_loss, "llama3": llama3_loss}
+PARTS = {"gpt2": gpt2_parts, "llama3": llama3_parts}
 
 
 def loss_fn(model: str, cfg: Config, par: Parallel = SEQUENTIAL,
