@@ -338,12 +338,26 @@ class Transfer:
       yield l.with_(at=rest, partial=tuple(l.partial) + (axis,), partial_kind="sum")
 
   def rank_predicate(self, pred: ir.Value) -> Optional[tuple[str, set[int]]]:
-    """(x, T) if ``pred`` is a splat of ``compare(e1, e2)`` over rank
-    arithmetic that depends on the mesh coordinate r_x only: T the r_x where
-    it holds."""
+    """(x, T) if ``pred`` is a splat of a predicate on the mesh coordinate r_x
+    alone: ``compare(e1, e2)`` over rank arithmetic, or ``and`` / ``or`` /
+    ``not`` of such predicates on the same axis (a schedule's "microbatch
+    t - r in range" is two compares and-ed).  T: the r_x where it holds."""
     op = broadcast_scalar(pred).producer
-    if op is None or op.name != "compare" or math.prod(op.results[0].shape) != 1:
+    if op is None or math.prod(op.results[0].shape) != 1:
       return None
+    if op.name == "compare":
+      return self._rank_compare(op)
+    if op.name == "not":
+      inner = self.rank_predicate(op.operands[0])
+      return inner and (inner[0], set(range(self.mesh.axis_size(inner[0]))) - inner[1])
+    if op.name in ("and", "or"):
+      a, b = (self.rank_predicate(v) for v in op.operands)
+      if a is None or b is None or a[0] != b[0]:
+        return None
+      return a[0], (a[1] & b[1]) if op.name == "and" else (a[1] | b[1])
+    return None
+
+  def _rank_compare(self, op: ir.Op) -> Optional[tuple[str, set[int]]]:
     a, b = (self.arith.value(v) for v in op.operands)
     if a is None or b is None:
       return None
