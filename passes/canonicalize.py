@@ -525,7 +525,8 @@ def _reduce_over_unit_dims(module, graph, op) -> Optional[ir.Value]:
 # slabs.py's rules by the op they rewrite (one lookup per op, not one call per rule).
 _SLAB_RULES = {"add": (slabs.sum_of_slabs,), "scatter": (slabs.set_rows,),
                "slice": (slabs.slice_of_split_reshape, slabs.slice_past_a_set),
-               "reshape": (slabs.reshape_of_concatenation,), "gather": (slabs.gather_one_window,)}
+               "reshape": (slabs.reshape_of_concatenation,), "gather": (slabs.gather_one_window,),
+               "select": (slabs.select_of_slabs,)}
 
 
 def _slab_forms(module, graph, op) -> Optional[ir.Value]:

@@ -91,7 +91,8 @@ def merged(a: list[Slab], b: list[Slab]) -> Optional[list[Slab]]:
 
 def sum_of_slabs(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
   """``add`` of two zero pads or concatenations along one dim, as one
-  concatenation (padded if it does not cover the dim).  ``fresh``, ``place``
+  concatenation (padded if it does not cover the dim): two stacks masked as
+  a whole and added (``select_of_slabs``) become a stack of sums.  ``fresh``, ``place``
   and ``emit`` are the canonicalizer's op builders."""
   if op.name != "add" or len(op.operands) != 2:
     return None
@@ -100,12 +101,44 @@ def sum_of_slabs(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
     return None
   k = a[0]
   zero = a[2] if a[2] is not None else b[2]
-  if zero is None:
-    return None  # two concatenations: elementwise already, nothing gained
-  slabs = merged(a[1], b[1])
+  slabs = merged(a[1], b[1])  # (two concatenations: cut at the same rows)
   if slabs is None:
     return None  # overlapping in part
   return assemble(module, graph, op, k, slabs, zero, fresh, place, emit)
+
+
+def _spread_scalar(module, fresh, place, v: ir.Value, shape, location) -> Optional[ir.Value]:
+  """``v``, a scalar broadcast, broadcast to ``shape`` instead."""
+  spread = v.producer
+  if spread is None or spread.name != "broadcast_in_dim" or spread.operands[0].type.rank:
+    return None
+  scalar = spread.operands[0]
+  return place(fresh(module, "broadcast_in_dim", [scalar], {"broadcast_dimensions": ()},
+                     list(shape), scalar.type.dtype, location))
+
+
+def select_of_slabs(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """``select(p, concat_k(xs), 0)`` (either way round), p one flag for every
+  element -> ``concat_k(select(p, x, 0) for x in xs)``: a stack's gradient
+  masked as a whole (a schedule's step not running) is masked row by row, so
+  a sum of masked stacks is a stack of sums (``sum_of_slabs``)."""
+  if op.name != "select":
+    return None
+  pred, on_true, on_false = op.operands
+  concat, zero = (on_true, on_false) if splat_value(on_false) == 0.0 else (on_false, on_true)
+  if splat_value(zero) != 0.0 or concat.producer is None \
+      or concat.producer.name != "concatenate" or splat_value(pred) is not None:
+    return None
+  k = concat.producer.attrs["dimension"]
+  parts = []
+  for x in concat.producer.operands:
+    p, z = (_spread_scalar(module, fresh, place, v, x.shape, op.location) for v in (pred, zero))
+    if p is None or z is None:
+      return None
+    pair = [x, z] if concat is on_true else [z, x]
+    parts.append(place(fresh(module, "select", [p, *pair], {}, x.shape, x.type.dtype,
+                             op.location)))
+  return emit(module, graph, op, "concatenate", parts, {"dimension": k})
 
 
 def assemble(module, graph, op, k: int, slabs: list, zero: ir.Value, fresh, place,

@@ -231,3 +231,78 @@ def test_a_row_set_inside_a_wider_slab_is_left_alone():
     return jnp.pad(x, ((0, 2), (0, 0))).at[1].set(u)
   names = _same_after_canonicalizing(fn, np.ones((2, 3), np.float32), -np.ones((3,), np.float32))
   assert "scatter" in names, names
+
+
+# -- stacks masked as a whole and added up (a hand-written schedule's gradient) --------
+
+def _masked_stacks(shape, k, cuts_per_term, zero_first=()):
+  """sum over terms j of select(flag_j, concat_k(params of term j), 0) (or
+  the zero first when j is in ``zero_first``), each term cut by its own cuts."""
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("main")
+  g.params, terms = [], []
+  zero = m.add_op(g, "constant", [], [_t(())], {"value": np.array(0.0, np.float32)}).result
+  zeros = m.add_op(g, "broadcast_in_dim", [zero], [_t(shape)],
+                   {"broadcast_dimensions": ()}).result
+  for j, cuts in enumerate(cuts_per_term):
+    bounds = [0] + list(cuts) + [shape[k]]
+    parts = []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+      piece = list(shape)
+      piece[k] = b - a
+      parts.append(m.new_value(_t(piece), name=f"p{j}_{i}"))
+    g.params += parts
+    stack = m.add_op(g, "concatenate", parts, [_t(shape)], {"dimension": k}).result
+    # A flag the canonicalizer cannot fold: a compare of a parameter, as a rank's is.
+    r = m.new_value(_t((), "i32"), name=f"r{j}")
+    g.params.append(r)
+    zero_i = m.add_op(g, "constant", [], [_t((), "i32")], {"value": np.array(0, np.int32)}).result
+    pred = m.add_op(g, "compare", [r, zero_i], [_t((), "i1")],
+                    {"comparison_direction": "EQ"}).result
+    spread = m.add_op(g, "broadcast_in_dim", [pred], [_t(shape, "i1")],
+                      {"broadcast_dimensions": ()}).result
+    branches = [zeros, stack] if j in zero_first else [stack, zeros]
+    terms.append(m.add_op(g, "select", [spread, *branches], [_t(shape)], {}).result)
+  total = terms[0]
+  for t in terms[1:]:
+    total = m.add_op(g, "add", [total, t], [_t(shape)], {}).result
+  g.results = [total]
+  return m, g
+
+
+def _masked_inputs(g, seed):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(-1, 2, p.shape).astype(np.int32) if p.type.dtype == "i32"
+          else rng.integers(-4, 5, p.shape).astype(np.float32) for p in g.params]
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.integers(2, 4), st.integers(1, 4), st.data())
+def test_masked_stacks_added_keep_their_value(rank, rows, terms, data):
+  """Evaluated before and after, on random flags and values: the form is an
+  identity whatever the masks hold."""
+  shape = [data.draw(st.integers(1, 3)) for _ in range(rank)]
+  k = data.draw(st.integers(0, rank - 1))
+  shape[k] = rows
+  cuts = sorted(data.draw(st.sets(st.integers(1, rows - 1), min_size=1)))
+  zero_first = data.draw(st.sets(st.integers(0, terms - 1)))
+  m, g = _masked_stacks(shape, k, [cuts] * terms, zero_first)
+  inputs = _masked_inputs(g, data.draw(st.integers(0, 2**16)))
+  before = _run(g, inputs)
+  canonicalize_graph(m, g)
+  np.testing.assert_array_equal(_run(g, inputs)[0], before[0])
+
+
+def test_masked_stacks_become_a_stack_of_sums():
+  """Each term masked as a whole, added: one concatenation of per-row sums."""
+  m, g = _masked_stacks([4, 3], 0, [(2,), (2,), (2,)], zero_first={1})
+  canonicalize_graph(m, g)
+  top = g.results[0].producer
+  assert top.name == "concatenate" and len(top.operands) == 2
+  assert [v.producer.name for v in top.operands] == ["add", "add"]
+
+
+def test_stacks_cut_at_other_rows_are_not_added_row_by_row():
+  m, g = _masked_stacks([4, 3], 0, [(2,), (1,)])
+  canonicalize_graph(m, g)
+  assert g.results[0].producer.name == "add"
