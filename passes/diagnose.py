@@ -235,24 +235,32 @@ def _attr_text(value) -> str:
 
 def _pin_words(inf, op: ir.Op) -> Optional[str]:
   """Operands that are the sequential values only at ranks that never meet:
-  one pipeline stage holds one, another stage the other."""
+  one pipeline stage holds one, another stage the other (a microbatched
+  operand: wherever its pieces are held)."""
   seen: dict[str, list[tuple[ir.Value, set[int]]]] = {}
+  classes: set[int] = set()
   for v in op.operands:
-    rels = inf.relations.get(v.id, [])
+    split = inf.pieces.splits.get(v.id)
+    rels = [r for t in ((v,) + (split.terms if split else ())) for r in inf.relations.get(t.id, ())]
+    classes |= {r.cls for r in rels}
     for axis in {a for r in rels for a, _ in r.layout.at}:
-      coords = {dict(r.layout.at).get(axis) for r in rels}
-      if None not in coords:  # every relation of v pins this axis
+      # (a value pinned with zeros elsewhere is also a partial sum over the axis)
+      coords = {dict(r.layout.at).get(axis) for r in rels if axis not in r.layout.partial}
+      if None not in coords:  # every other relation of v pins this axis
         seen.setdefault(axis, []).append((v, coords))
   for axis, found in seen.items():
     for (v1, c1), (v2, c2) in zip(found, found[1:]):
       if c1 & c2:
         continue
-      permute = next((d for d in inf.dist.graph.walk() if d.name == "collective_permute"
-                      and d.attrs.get("gg.axes") == (axis,)), None)
+      permutes = [d for d in inf.dist.graph.walk() if d.name == "collective_permute"
+                  and d.attrs.get("gg.axes") == (axis,)]
+      # The permute that sent an operand's value, if one did; else the first.
+      permute = next((d for d in permutes if inf.deg.of(d.results[0]) in classes),
+                     permutes[0] if permutes else None)
       hint = "" if permute is None else (
           f"; collective-permute at {permute.location} sends "
           f"{list(permute.attrs.get('gg.permutation') or ())} over {axis!r} "
-          f"(activations passed to the wrong stage?)")
+          f"(activations or their cotangents passed to the wrong stage?)")
       where = lambda cs: ", ".join(f"{axis}={c}" for c in sorted(cs))
       return (f"operand %{v1.id} is the sequential value only at {where(c1)} and "
               f"%{v2.id} only at {where(c2)}: no rank holds both{hint}")
