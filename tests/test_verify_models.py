@@ -65,13 +65,19 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/dp_tp_cp/shard_map/kv_gathered_over_wrong_axis": "gathered over the wrong mesh axis",
     "llama3/ep/shard_map/dispatch_to_wrong_rank": "it is computed from %transpose",
     "llama3/ep_capacity/shard_map/slots_over_all_tokens": "it is a reshape of",
-    "gpt2/pp/shard_map/wrong_permutation": "activations passed to the wrong stage?",
-    "llama3/pp/shard_map/wrong_permutation": "activations passed to the wrong stage?",
+    "gpt2/pp/shard_map/wrong_permutation": "activations or their cotangents passed to the wrong stage?",
+    "llama3/pp/shard_map/wrong_permutation": "activations or their cotangents passed to the wrong stage?",
     "gpt2/pp_grad/shard_map/double_counted_grad": "4 times the sequential one",
     "gpt2/pp_tp/shard_map/wrong_replica_groups": "wrong replica groups",
     "llama3/pp_grad/shard_map/double_counted_grad": "4 times its share",
     "gpt2/pp_gpipe_grad/shard_map/double_counted_grad": "4 times the sequential one",
     "gpt2/pp_gpipe_buffered/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
+    "gpt2/pp_1f1b_grad/shard_map/stale_input": "but never on piece 0",
+    "llama3/pp_1f1b_grad/shard_map/stale_input": "but never on piece 0",
+    "gpt2/pp_1f1b_grad/shard_map/cotangent_forward":
+        "sends [(0, 1), (1, 2), (2, 3), (3, 0)] over 'pp' (activations or their cotangents",
+    "llama3/pp_1f1b_grad/shard_map/cotangent_forward":
+        "sends [(0, 1), (1, 2), (2, 3), (3, 0)] over 'pp' (activations or their cotangents",
     "llama3/pp_gpipe_buffered/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
     "gpt2/pp_tp_gpipe/shard_map/wrong_replica_groups": "reduces over 'pp', 'tp' but the partial "
                                                        "sum is over 'tp' (wrong replica groups",

@@ -74,7 +74,7 @@ import numpy as np
 from jax import lax, shard_map
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tools.zoo import training
+from tools.zoo import one_f_one_b, training
 from tools.zoo.cases import Case, mesh_of
 from tools.zoo.models import (MODELS, Config, Parallel, arg_shapes, base_name, is_stacked,
                               loss_fn, param_specs, repeat_kv, run_stack_in_order,
@@ -1018,6 +1018,25 @@ def _accumulated(value_and_grad, microbatches: int, divide: bool = True):
   return step
 
 
+def _one_f_one_b_case(model, cfg, variant="ok", bug=None, bug_primitive=None) -> Case:
+  """A training step under the 1F1B schedule (``one_f_one_b.py``) on GPipe's
+  stages: the sequential step is ``value_and_grad`` on the whole batch."""
+  strategy = dataclasses.replace(GPIPE, name="pp_1f1b")
+  cfg = _cfg(strategy, cfg)
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  specs = _in_specs(model, strategy, cfg)
+  n_params = len(param_specs(model, cfg))
+  seq_fn = _named(_loss_and_grads(_seq_fn(model, cfg), n_params),
+                  _ident(model, strategy.name, "grad_seq"))
+  step = one_f_one_b.one_f_one_b_step(model, cfg, "pp", 4, bug=None if variant == "ok" else variant)
+  dist_fn = shard_map(_named(step, _ident(model, strategy.name, "grad")), mesh=mesh,
+                      in_specs=specs, out_specs=(P(), tuple(specs[2:])))
+  return Case(name=f"{model}/{strategy.name}_grad/shard_map/{variant}", seq_fn=seq_fn,
+              dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
+              dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
+              style="shard_map", bug=bug, bug_primitive=bug_primitive)
+
+
 def _with_batch(strategy: _Strategy, batch: int) -> _Strategy:
   return dataclasses.replace(strategy, cfg_overrides=tuple(
       dict(strategy.cfg_overrides, batch=batch).items()))
@@ -1142,6 +1161,18 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
         model, GPIPE_BUFFERED, cfg, "output_misplaced",
         Parallel(run_stack=_gpipe_stages("pp", 4, buffered=True, misplaced=1)),
         "output_misplaced", first_op))
+  # 1F1B: each microbatch's backward as soon as its loss is known, written by
+  # hand with a vjp per stage and step (one_f_one_b.py).  Bugs: a stage
+  # recomputing from the input it saved one step late (the backward of the
+  # first microbatch never computed: reported at the first op of its
+  # backward), and the cotangents sent forward round the ring (a stage's
+  # cotangent and its saved activations held at different stages).
+  if grad:
+    for model in MODELS:
+      built.append(_one_f_one_b_case(model, cfg))
+      built.append(_one_f_one_b_case(model, cfg, "stale_input", "stale_input", "divide"))
+      built.append(_one_f_one_b_case(model, cfg, "cotangent_forward", "cotangent_forward",
+                                     "dot_general"))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
   # attention's partial sums reduced over ("pp", "tp") add another stage's
   # microbatch: reported at the residual add, in the all-reduce's words.
