@@ -53,7 +53,7 @@ def test_names_and_metadata():
                                    "slots_over_all_tokens", "missing_allgather",
                                    "nll_max_not_reduced", "vocab_ids_not_offset",
                                    "norm_counts_replicas", "grad_not_divided",
-                                   "microbatch_skipped", "output_misplaced"}
+                                   "microbatch_skipped", "output_misplaced", "stale_activation"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "tp_vocab", "sp", "dp_tp", "cp", "dp_tp_cp", "dp_take"):
       for style in ("shard_map", "gspmd"):

@@ -53,10 +53,13 @@ def _ring(n: int, shift: int) -> list[tuple[int, int]]:
 
 
 def one_f_one_b_step(model: str, cfg: Config, axis: str, microbatches: int,
-                     bug: str | None = None) -> Callable:
+                     bug: str | None = None, buffered: bool = False) -> Callable:
   """``(tokens, labels, *params) -> (loss, grads)`` per device: the stacked
   layers split over ``axis`` by rows (``cfg.stacked_params``), everything else
-  replicated."""
+  replicated.  A stage keeps its inputs for the backward in a list of steps,
+  picking the one its schedule needs with a select per stage; ``buffered``:
+  in a buffer with a row per microbatch, written and read at rows that depend
+  on the stage (``dynamic_update_slice`` / ``dynamic_slice``)."""
   assert bug is None or bug in BUGS, bug
   names = [n for n, _ in param_specs(model, cfg)]
   m_count = microbatches
@@ -82,6 +85,7 @@ def one_f_one_b_step(model: str, cfg: Config, axis: str, microbatches: int,
     h0, embed_vjp = jax.vjp(lambda rest: parts.embed(tokens, rest), rest)
     forward = backward = jnp.zeros_like(rows(h0, 0))
     saved = []                       # the input of each step's forward
+    stash = jnp.zeros((m_count,) + forward.shape, forward.dtype)  # (buffered) by microbatch
     loss = np.float32(0.0)
     d_rest, d_stack, d_h0 = _zeros(rest), _zeros(stack), []
     on_last = stage == n - 1
@@ -93,6 +97,9 @@ def one_f_one_b_step(model: str, cfg: Config, axis: str, microbatches: int,
       if t < m_count + n - 1:          # the forward of microbatch t - stage
         x = jnp.where(stage == 0, rows(h0, t), forward) if t < m_count else forward
         saved.append(x)
+        f = t - stage
+        stash = jnp.where((f >= 0) & (f < m_count),
+                          lax.dynamic_update_index_in_dim(stash, x, f, 0), stash)
         y = layers(stack, x)
         if t < m_count + n - 2:
           forward = lax.ppermute(y, axis, _ring(n, 1))
@@ -104,14 +111,17 @@ def one_f_one_b_step(model: str, cfg: Config, axis: str, microbatches: int,
         d_rest = jax.tree.map(jnp.add, d_rest, _where(on_last, d_rest_t, _zeros(rest)))
       if t >= n - 1:                   # the backward of microbatch t - 2(n - 1) + stage
         d_y = jnp.where(on_last, d_y_last, backward)
-        x_saved = jnp.zeros_like(d_y)
-        for s in range(n):
-          k = t - 2 * (n - 1 - s) + late
-          if 0 <= k < len(saved):
-            x_saved = jnp.where(stage == s, saved[k], x_saved)
+        b = t - 2 * (n - 1) + stage
+        if buffered:
+          x_saved = lax.dynamic_index_in_dim(stash, b + late, 0, keepdims=False)
+        else:
+          x_saved = jnp.zeros_like(d_y)
+          for s in range(n):
+            k = t - 2 * (n - 1 - s) + late
+            if 0 <= k < len(saved):
+              x_saved = jnp.where(stage == s, saved[k], x_saved)
         _, stage_vjp = jax.vjp(layers, stack, x_saved)
         d_stack_t, d_x = stage_vjp(d_y)
-        b = t - 2 * (n - 1) + stage
         running = (b >= 0) & (b < m_count)
         d_stack = jax.tree.map(jnp.add, d_stack, _where(running, d_stack_t, _zeros(stack)))
         if 0 <= t - 2 * (n - 1) < m_count:

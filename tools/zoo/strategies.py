@@ -1018,17 +1018,19 @@ def _accumulated(value_and_grad, microbatches: int, divide: bool = True):
   return step
 
 
-def _one_f_one_b_case(model, cfg, variant="ok", bug=None, bug_primitive=None) -> Case:
+def _one_f_one_b_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
+                      buffered=False) -> Case:
   """A training step under the 1F1B schedule (``one_f_one_b.py``) on GPipe's
   stages: the sequential step is ``value_and_grad`` on the whole batch."""
-  strategy = dataclasses.replace(GPIPE, name="pp_1f1b")
+  strategy = dataclasses.replace(GPIPE, name="pp_1f1b_buffered" if buffered else "pp_1f1b")
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _in_specs(model, strategy, cfg)
   n_params = len(param_specs(model, cfg))
   seq_fn = _named(_loss_and_grads(_seq_fn(model, cfg), n_params),
                   _ident(model, strategy.name, "grad_seq"))
-  step = one_f_one_b.one_f_one_b_step(model, cfg, "pp", 4, bug=None if variant == "ok" else variant)
+  step = one_f_one_b.one_f_one_b_step(model, cfg, "pp", 4, bug=None if variant == "ok" else variant,
+                                      buffered=buffered)
   dist_fn = shard_map(_named(step, _ident(model, strategy.name, "grad")), mesh=mesh,
                       in_specs=specs, out_specs=(P(), tuple(specs[2:])))
   return Case(name=f"{model}/{strategy.name}_grad/shard_map/{variant}", seq_fn=seq_fn,
@@ -1170,8 +1172,8 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   if grad:
     for model in MODELS:
       built.append(_one_f_one_b_case(model, cfg))
-      built.append(_one_f_one_b_case(model, cfg, "stale_input", "stale_input", "divide"))
-      built.append(_one_f_one_b_case(model, cfg, "cotangent_forward", "cotangent_forward",
+      built.append(_one_f_one_b_case(model, cfg, "stale_input", "stale_activation", "divide"))
+      built.append(_one_f_one_b_case(model, cfg, "cotangent_forward", "wrong_permutation",
                                      "dot_general"))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
   # attention's partial sums reduced over ("pp", "tp") add another stage's
