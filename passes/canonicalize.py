@@ -340,6 +340,55 @@ def _select_of_true_false(module, graph, op) -> Optional[ir.Value]:
   return None
 
 
+def _flag(v: ir.Value) -> Optional[ir.Value]:
+  """The scalar a select's predicate broadcasts (one flag for every element)."""
+  op = v.producer
+  if op is None or op.name != "broadcast_in_dim" or op.operands[0].type.rank:
+    return None
+  return op.operands[0]
+
+
+def _nested_select_sharing_a_branch(module, graph, op) -> Optional[ir.Value]:
+  """select(p, a, select(q, a, b)) -> select(p or q, a, b), and the three
+  other ways a nested select on a flag shares a branch with its parent.  A
+  buffer row read back through each step's writes is a select per step and
+  per rank case (rank_cases.py), nearly all keeping the row as it was; one
+  select per step is what its relations need to pass (they are capped per
+  value)."""
+  if op.name != "select":
+    return None
+  p, a, b = op.operands
+  outer = _flag(p)
+  if outer is None:
+    return None
+  for inner_side, kept in ((b, a), (a, b)):
+    inner = inner_side.producer
+    if inner is None or inner.name != "select" or _flag(inner.operands[0]) is None:
+      continue
+    q, c, d = inner.operands
+    flag = _flag(q)
+    if kept is c or kept is d:
+      other = d if kept is c else c
+      if inner_side is b:  # select(p, a, select(q, ..)): a where p, or where q picks a
+        q_picks_kept = flag if kept is c else _logical(module, graph, "not", [flag], op.location)
+        combined = _logical(module, graph, "or", [outer, q_picks_kept], op.location)
+        branches = [kept, other]
+      else:  # select(p, select(q, ..), b): b where not p, or where q picks b
+        q_picks_other = flag if other is c else _logical(module, graph, "not", [flag], op.location)
+        combined = _logical(module, graph, "and", [outer, q_picks_other], op.location)
+        branches = [other, kept]
+      spread = _fresh(module, "broadcast_in_dim", [combined], {"broadcast_dimensions": ()},
+                      op.results[0].shape, combined.type.dtype, op.location)
+      return _emit(module, graph, op, "select",
+                   [_simplified_and_placed(module, graph, spread), *branches], {})
+  return None
+
+
+def _logical(module, graph, name: str, operands, location) -> ir.Value:
+  new = _fresh(module, name, operands, {}, (), operands[0].type.dtype, location)
+  return _simplified_and_placed(module, graph, new)
+
+
 _CONSTANT_FOLDABLE = {"constant", "broadcast_in_dim", "reshape", "convert", "compare", "and",
                       "or", "not", "reduce"}
 
@@ -524,7 +573,9 @@ def _reduce_over_unit_dims(module, graph, op) -> Optional[ir.Value]:
 
 # slabs.py's rules by the op they rewrite (one lookup per op, not one call per rule).
 _SLAB_RULES = {"add": (slabs.sum_of_slabs,), "scatter": (slabs.set_rows,),
-               "slice": (slabs.slice_of_split_reshape, slabs.slice_past_a_set),
+               "dynamic_update_slice": (slabs.set_rows,),
+               "slice": (slabs.slice_of_split_reshape, slabs.slice_past_a_set,
+                         slabs.slice_of_slabs, slabs.slice_of_select),
                "reshape": (slabs.reshape_of_concatenation,), "gather": (slabs.gather_one_window,),
                "select": (slabs.select_of_slabs,)}
 
@@ -546,7 +597,7 @@ PATTERNS: tuple[Pattern, ...] = (
     _broadcast_expanding_units,
     _iota_as_broadcast, _add_zero, _offset_before_broadcast, _clamp_before_unit_broadcast,
     _select_of_true_false, _square_as_product, _select_of_scalar_predicate,
-    _select_of_constant_predicate,
+    _select_of_constant_predicate, _nested_select_sharing_a_branch,
     _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims,
     _slab_forms)
 
@@ -577,20 +628,22 @@ def _simplify(module: ir.Module, graph: ir.Graph, op: ir.Op) -> Optional[ir.Valu
   return None
 
 
-def canonicalize_graph(module: ir.Module, graph: ir.Graph, rings: bool = False) -> int:
+def canonicalize_graph(module: ir.Module, graph: ir.Graph, rings: bool = False,
+                       extra: tuple = ()) -> int:
   """Rewrite ``graph`` in place to the normal form (with ``rings``, also
-  ``RING_PATTERNS``); returns the rewrite count."""
+  ``RING_PATTERNS``; and the ``extra`` patterns); returns the rewrite count."""
   replace: dict[int, ir.Value] = {}
   out: list[ir.Op] = []
   original = {id(op) for op in graph.ops}
   rewrites = 0
   graph.ops_to_place = []  # type: ignore[attr-defined]
   graph.known_ops = set(original)  # type: ignore[attr-defined]
-  graph.patterns = PATTERNS + (RING_PATTERNS if rings else ())  # type: ignore[attr-defined]
+  graph.patterns = PATTERNS + (RING_PATTERNS if rings else ()) + extra  # type: ignore[attr-defined]
+  graph.slices = {}  # type: ignore[attr-defined]  # (slabs._sliced)
   for op in graph.ops:
     op.operands = [replace.get(v.id, v) for v in op.operands]
     for region in op.regions:
-      rewrites += canonicalize_graph(module, region, rings)
+      rewrites += canonicalize_graph(module, region, rings, extra)
     current = op
     final = None
     while len(current.results) == 1:
@@ -613,7 +666,7 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph, rings: bool = False) 
       final = current.results[0] if len(current.results) == 1 else None
     if final is not None and final is not op.results[0]:
       replace[op.results[0].id] = final
-  del graph.ops_to_place, graph.known_ops, graph.patterns  # type: ignore[attr-defined]
+  del graph.ops_to_place, graph.known_ops, graph.patterns, graph.slices  # type: ignore[attr-defined]
   graph.results = [replace.get(v.id, v) for v in graph.results]
   graph.ops = _without_dead_ops(out, graph.results)
   return rewrites

@@ -177,9 +177,22 @@ def assemble(module, graph, op, k: int, slabs: list, zero: ir.Value, fresh, plac
 
 # -- buffers written at constant rows (``x.at[i].set(u)``), and batches reshaped ------
 
-def _set_window(op: ir.Op) -> Optional[tuple[int, int, int]]:
-  """(k, lo, hi) if ``op`` is ``x.at[i].set(u)`` with a constant i writing
-  rows [lo, hi) of dim k and every element of the other dims."""
+def _set_window(op: ir.Op) -> Optional[tuple[int, int, int, ir.Value, ir.Value]]:
+  """(k, lo, hi, x, update) if ``op`` writes ``update`` into rows [lo, hi) of
+  x's dim k and every element of the other dims, at a constant place:
+  ``x.at[i].set(u)`` (a scatter of one window) or a dynamic_update_slice at
+  constant starts (clamped into x, as the op does)."""
+  if op.name == "dynamic_update_slice":
+    x, update, *starts = op.operands
+    at = [splat_value(v) for v in starts]
+    if None in at:
+      return None
+    lows = [min(max(int(a), 0), n - u) for a, n, u in zip(at, x.shape, update.shape)]
+    partial = [d for d in range(x.type.rank) if update.shape[d] != x.shape[d]]
+    if len(partial) != 1:
+      return None
+    k = partial[0]
+    return k, lows[k], lows[k] + update.shape[k], x, update
   if op.name != "scatter" or len(op.operands) != 3 or not op.regions \
       or not overwrites(op.regions[0]):
     return None
@@ -208,22 +221,27 @@ def _set_window(op: ir.Op) -> Optional[tuple[int, int, int]]:
   if len(partial) != 1:
     return None
   k = partial[0]
-  return k, starts[k], starts[k] + sizes[k]
+  return k, starts[k], starts[k] + sizes[k], x, update
+
+
+def _window(module, fresh, place, op, update: ir.Value, x: ir.Value, k: int, lo: int,
+            hi: int) -> ir.Value:
+  """The update as the rows it writes (a scatter's update reshaped so)."""
+  sizes = [hi - lo if d == k else n for d, n in enumerate(x.shape)]
+  if tuple(update.shape) == tuple(sizes):
+    return update
+  return place(fresh(module, "reshape", [update], {}, sizes, update.type.dtype, op.location))
 
 
 def set_rows(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
-  """``x.at[i].set(u)`` with a constant i, x zeros or slabs: a scatter of one
-  window overwriting rows [i, i + n) of one dim, as the slab those rows become
-  (GPipe's outputs written into a buffer, microbatch by microbatch)."""
+  """``x.at[i].set(u)`` with a constant i (or a dynamic_update_slice at
+  constant starts), x zeros or slabs: the rows written as the slab they
+  become (GPipe's outputs written into a buffer, microbatch by microbatch)."""
   written = _set_window(op)
   if written is None:
     return None
-  k, lo, hi = written
-  x, _, update = op.operands
-  sizes = [hi - lo if d == k else n for d, n in enumerate(x.shape)]
-  window = update if tuple(update.shape) == tuple(sizes) else place(
-      fresh(module, "reshape", [update], {}, sizes, update.type.dtype, op.location))
-  new = (lo, hi, window)
+  k, lo, hi, x, update = written
+  new = (lo, hi, _window(module, fresh, place, op, update, x, k, lo, hi))
   if splat_value(x) == 0.0:
     spread = x.producer
     if spread is None or spread.name != "broadcast_in_dim" or spread.operands[0].type.rank:
@@ -267,6 +285,20 @@ def _slice(module, fresh, x: ir.Value, starts, limits, location) -> ir.Op:
                                       "limit_indices": tuple(limits),
                                       "strides": (1,) * x.type.rank},
                [b - a for a, b in zip(starts, limits)], x.type.dtype, location)
+
+
+def _sliced(module, graph, fresh, place, x: ir.Value, starts, limits, location) -> ir.Value:
+  """slice(x) in normal form, made once per canonicalization of ``graph``: a
+  row read back through a buffer's history of writes reaches the same
+  earlier slices by many paths (a select per step and per rank)."""
+  memo = getattr(graph, "slices", None)
+  key = (x.id, tuple(starts), tuple(limits))
+  if memo is not None and key in memo:
+    return memo[key]
+  value = place(_slice(module, fresh, x, starts, limits, location))
+  if memo is not None:
+    memo[key] = value
+  return value
 
 
 def slice_of_split_reshape(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
@@ -331,15 +363,62 @@ def gather_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.Valu
 
 def slice_past_a_set(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
   """slice(x.at[i].set(u)) of rows the set does not touch -> slice(x) (the
-  cotangent of a buffer, its rows read one by one as each is zeroed)."""
+  cotangent of a buffer, its rows read one by one as each is zeroed); of
+  exactly the rows it wrote -> slice(u) (a stage's saved input read back)."""
   if op.name != "slice" or op.operands[0].producer is None \
-      or op.operands[0].producer.name != "scatter":
+      or op.operands[0].producer.name not in ("scatter", "dynamic_update_slice"):
     return None
   written = _set_window(op.operands[0].producer)
   if written is None:
     return None
-  k, lo, hi = written
+  k, lo, hi, x, update = written
   start, limit = op.attrs["start_indices"], op.attrs["limit_indices"]
+  if set(op.attrs.get("strides") or (1,)) != {1}:
+    return None
+  if (start[k], limit[k]) == (lo, hi):
+    rows = _window(module, fresh, place, op, update, x, k, lo, hi)
+    return _sliced(module, graph, fresh, place, rows,
+                   [0 if d == k else a for d, a in enumerate(start)],
+                   [hi - lo if d == k else b for d, b in enumerate(limit)], op.location)
   if start[k] < hi and lo < limit[k]:
-    return None  # reads a row the set wrote
-  return emit(module, graph, op, "slice", [op.operands[0].producer.operands[0]], dict(op.attrs))
+    return None  # reads a row the set wrote, and others
+  return _sliced(module, graph, fresh, place, x, start, limit, op.location)
+
+
+def slice_of_slabs(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """slice(concat_k(xs)) (or of a zero pad) of rows inside one slab -> a
+  slice of that slab; of rows only the padding holds -> zeros."""
+  if op.name != "slice" or set(op.attrs.get("strides") or (1,)) != {1}:
+    return None
+  found = slabs_of(op.operands[0])
+  if found is None:
+    return None
+  k, slabs, zero = found
+  start, limit = op.attrs["start_indices"], op.attrs["limit_indices"]
+  for a, b, x in slabs:
+    if a <= start[k] and limit[k] <= b:
+      return _sliced(module, graph, fresh, place, x,
+                     [s - a if d == k else s for d, s in enumerate(start)],
+                     [e - a if d == k else e for d, e in enumerate(limit)], op.location)
+  if zero is not None and all(limit[k] <= a or b <= start[k] for a, b, _ in slabs):
+    return emit(module, graph, op, "broadcast_in_dim", [zero], {"broadcast_dimensions": ()})
+  return None
+
+
+def slice_of_select(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """slice(select(p, a, b)), p one flag for every element -> select(p,
+  slice(a), slice(b)): rows read from a buffer some ranks wrote (a pipeline
+  stage's saved inputs) are read from each branch."""
+  if op.name != "slice" or op.operands[0].producer is None \
+      or op.operands[0].producer.name != "select":
+    return None
+  pred, a, b = op.operands[0].producer.operands
+  shape = op.results[0].shape
+  p = _spread_scalar(module, fresh, place, pred, shape, op.location)
+  if p is None or splat_value(pred) is not None:
+    return None
+  if set(op.attrs.get("strides") or (1,)) != {1}:
+    return None
+  sliced = [_sliced(module, graph, fresh, place, v, op.attrs["start_indices"],
+                    op.attrs["limit_indices"], op.location) for v in (a, b)]
+  return emit(module, graph, op, "select", [p, *sliced], {})

@@ -415,3 +415,46 @@ def test_reshape_undoing_a_unit_broadcast_wherever_it_put_the_unit():
   g.results = [_op(m, g, "reshape", [b], _t(1, 3))]
   assert canonicalize_graph(m, g) > 0
   assert g.results[0] is g.params[0]
+
+
+# -- nested selects on flags sharing a branch ----------------------------------------
+
+def _nested_selects(shape_case, outer_side, shared):
+  """select(p, a, select(q, c, d)) or select(p, select(q, c, d), b), with the
+  inner select sharing one branch (c or d) with the outer one."""
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("main")
+  t = ir.TensorType(shape_case, "f32")
+  flag_t, spread_t = ir.TensorType((), "pred"), ir.TensorType(shape_case, "pred")
+  p_s, q_s = m.new_value(flag_t, name="p"), m.new_value(flag_t, name="q")
+  x, y = m.new_value(t, name="x"), m.new_value(t, name="y")
+  g.params = [p_s, q_s, x, y]
+  p, q = (m.add_op(g, "broadcast_in_dim", [f], [spread_t], {"broadcast_dimensions": ()}).result
+          for f in (p_s, q_s))
+  inner = m.add_op(g, "select", [q, x, y] if shared == "c" else [q, y, x], [t], {}).result
+  operands = [p, x, inner] if outer_side == "b" else [p, inner, x]
+  g.results = [m.add_op(g, "select", operands, [t], {}).result]
+  return m, g
+
+
+@pytest.mark.parametrize("outer_side", ["a", "b"])
+@pytest.mark.parametrize("shared", ["c", "d"])
+def test_nested_selects_sharing_a_branch_become_one(outer_side, shared):
+  """Every flag combination evaluates alike before and after; one select left."""
+  import itertools
+  m, g = _nested_selects((2, 3), outer_side, shared)
+
+  def run(inputs):
+    env = {v.id: a for v, a in zip(g.params, inputs)}
+    for op in g.ops:
+      env[op.results[0].id] = reference.evaluate(op.name, op.attrs,
+                                                 [env[v.id] for v in op.operands],
+                                                 op.results[0].type)
+    return env[g.results[0].id]
+  xs = [np.arange(6.0, dtype=np.float32).reshape(2, 3), -np.ones((2, 3), np.float32)]
+  cases = [[np.bool_(p), np.bool_(q)] + xs for p, q in itertools.product([False, True], repeat=2)]
+  before = [run(c) for c in cases]
+  canonicalize_graph(m, g)
+  assert [op.name for op in g.ops].count("select") == 1, [op.name for op in g.ops]
+  for c, want in zip(cases, before):
+    np.testing.assert_array_equal(run(c), want)

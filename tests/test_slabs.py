@@ -306,3 +306,28 @@ def test_stacks_cut_at_other_rows_are_not_added_row_by_row():
   m, g = _masked_stacks([4, 3], 0, [(2,), (1,)])
   canonicalize_graph(m, g)
   assert g.results[0].producer.name == "add"
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.integers(2, 4), st.data())
+def test_a_buffer_updated_at_constant_rows_keeps_its_value(rows, data):
+  """dynamic_update_slice at constant rows (clamped past either end), some
+  writes masked by a flag, then rows read back: the same numbers after the
+  slab forms (a written row is a slab; a slice of a select is a select of
+  slices; a slice of a set row is the update, past it the buffer)."""
+  import jax.numpy as jnp
+  from jax import lax
+  writes = data.draw(st.lists(st.tuples(st.integers(-1, rows), st.booleans()), min_size=1,
+                              max_size=rows + 2))
+  reads = data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=3))
+  x = np.random.default_rng(rows).standard_normal((rows, 3)).astype(np.float32)
+  flag = np.int32(data.draw(st.integers(0, len(writes))))
+
+  def fn(x, flag):
+    out = jnp.zeros((rows, 3))
+    for step, (j, masked) in enumerate(writes):
+      new = lax.dynamic_update_slice(out, jnp.tanh(x[step % rows])[None] * (step + 1),
+                                     (np.int32(j), np.int32(0)))
+      out = jnp.where(flag > step, new, out) if masked else new
+    return [out[j:j + 1] for j in reads] + [out]
+  _same_after_canonicalizing(fn, x, flag)
