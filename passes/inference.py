@@ -124,6 +124,32 @@ def _value_name(v: Optional[ir.Value]) -> str:
   return f"%{v.name or v.id}"
 
 
+def _tied_first(operands: list[ir.Value], choices: list[list]):
+  """Every combination of the operands' choices, those that give one value
+  read twice (``x * x``) the same choice first: the per-device program most
+  likely computes ``d * d``, and a value with many relations (a pipeline
+  stage's input, held by many buffer reads) would push that pair past the
+  cap on combinations."""
+  first = {}
+  for k, v in enumerate(operands):
+    first.setdefault(v.id, k)
+  if len(first) == len(operands):
+    yield from itertools.product(*choices)
+    return
+  own = [k for k, v in enumerate(operands) if first[v.id] == k]
+  tied = set()
+  for picks in itertools.product(*(choices[k] for k in own)):
+    chosen = dict(zip(own, picks))
+    combo = tuple(chosen[first[v.id]] if chosen[first[v.id]] in choices[k] else None
+                  for k, v in enumerate(operands))
+    if None not in combo:
+      tied.add(combo)
+      yield combo
+  for combo in itertools.product(*choices):
+    if combo not in tied:
+      yield combo
+
+
 class RelationInference:
   def __init__(self, seq: ir.Module, dist: DistProgram,
                input_layouts: Optional[list[Layout]] = None,
@@ -609,7 +635,7 @@ class RelationInference:
       for k, v in enumerate(op.operands):
         if v.id not in self.splats:
           choices[k] = choices[k] + self._scalar_broadcast_tilings(v, choices, k)
-    for combo in itertools.islice(itertools.product(*choices), MAX_COMBINATIONS):
+    for combo in itertools.islice(_tied_first(op.operands, choices), MAX_COMBINATIONS):
       yield self._adopt_splat_layouts(op, list(combo))
 
   def _scalar_broadcast_tilings(self, v: ir.Value, choices, k: int) -> list:
