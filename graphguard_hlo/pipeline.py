@@ -10,6 +10,7 @@ from graphguard_hlo.passes.dist_program import DistProgram, canonicalize_dist, n
 from graphguard_hlo.passes.canonicalize import canonicalize_graph, canonicalize_module
 from graphguard_hlo.passes.transfer import ring_axes
 from graphguard_hlo.passes.inline import inline_calls
+from graphguard_hlo.passes.rank_cases import rank_case_patterns
 from graphguard_hlo.passes.inference import Result, verify_programs
 from graphguard_hlo.passes.layout import Layout
 
@@ -28,8 +29,10 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
   # Rings are seen once collectives read as mesh axes: then the ring forms
   # (canonicalize.RING_PATTERNS) for this program, and for the sequential one.
   program.rings = ring_axes(program.graph, program.mesh)
-  if program.rings:
-    canonicalize_graph(dist, program.graph, rings=True)
+  # And buffers read and written at rows that depend on a rank (rank_cases.py).
+  cases = rank_case_patterns(program.graph, program.mesh)
+  if program.rings or cases:
+    canonicalize_graph(dist, program.graph, rings=bool(program.rings), extra=cases)
   return program
 
 

@@ -1,0 +1,185 @@
+"""Rows picked by a rank's coordinate, as cases (the per-device program only).
+
+A hand-written pipeline schedule keeps each stage's inputs for its backward
+pass in a buffer with a row per microbatch.  At step t, stage s writes row
+``t - s`` and reads row ``t - 2(n - 1) + s``: a dynamic_update_slice and a
+dynamic_slice whose row depends on the stage.  No layout says "row t - s at
+stage s".  But a rank's coordinate takes only ``n`` values, so the op is a
+select over them, each case at a constant row:
+
+  dynamic_update_slice(x, u, i)  ->  select(i == v_1, dus(x, u, v_1), select(i == v_2, ..))
+  dynamic_slice(x, i)            ->  select(i == v_1, slice(x at v_1), select(..))
+
+(``v_j`` the values i takes on the ranks, the last case the default; each
+case's row clamped as the op clamps it).  At constant rows the buffer's
+canonical forms apply (``slabs.py``): a row written is a slab, a row read
+back is what was written there, and the selects on a rank predicate pin each
+case to its stage (``Transfer._select``).  This is an identity of the ops at
+every rank, not an approximation.
+
+Only where it helps and costs little: a write at a row that is not a tile
+offset (``r * size``, turned or not, is a layout: ``transfer.py`` reads it
+flat in the number of ranks), on one mesh axis; a read of a buffer some
+ranks wrote (a select on a rank predicate within a few ops).  The cases
+grow with the axis' size, which is a pipeline's stage count.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import numpy as np
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes import slabs
+from graphguard_hlo.passes.rank_arith import broadcast_scalar, partition_id_table
+from graphguard_hlo.passes.terms import splat_value
+
+# How far back through buffer ops a read looks for a select on a rank predicate.
+_BUFFER_DEPTH = 4
+_BUFFER_OPS = frozenset({"select", "dynamic_update_slice", "concatenate", "pad", "slice"})
+
+
+class RankCases:
+  def __init__(self, mesh: ir.Mesh, graph: ir.Graph):
+    self.mesh = mesh
+    self._memo: dict = {}
+    self.partition_id = next((op.results[0] for op in graph.walk()
+                              if op.name == "partition_id"), None)
+    # Each partition's coordinate on each axis (iota device order: checked by
+    # the caller).
+    self.coords = dict(zip(mesh.axis_names, np.unravel_index(
+        np.arange(mesh.size), tuple(n for _, n in mesh.axes))))
+
+  # -- which index, on which ranks ------------------------------------------------
+  def per_rank(self, index: ir.Value) -> Optional[tuple[str, list[int]]]:
+    """(x, values at r_x = 0 .. |x| - 1) of a scalar that depends on the mesh
+    coordinate r_x alone (evaluated on every partition, wrapping and
+    clamping included)."""
+    table = partition_id_table(index, self.mesh.size, self._memo)
+    if table is None or len(set(table.tolist())) < 2:
+      return None
+    for axis, n in self.mesh.axes:
+      at = self.coords[axis]
+      values = [table[at == c] for c in range(n)]
+      if all(len(set(v.tolist())) == 1 for v in values):
+        return axis, [int(v[0]) for v in values]
+    return None
+
+  @staticmethod
+  def _tile_offset(values: list[int], size: int) -> bool:
+    """``((r + j) mod n) * size``: a layout (plain or turned), not cases."""
+    n = len(values)
+    return any(values == [((c + j) % n) * size for c in range(n)] for j in range(n))
+
+  def _reads_a_staged_buffer(self, v: ir.Value, depth: int = _BUFFER_DEPTH) -> bool:
+    """Some ranks wrote ``v``'s rows: a select on a rank predicate within
+    ``depth`` buffer ops."""
+    op = v.producer
+    if op is None or depth == 0 or op.name not in _BUFFER_OPS:
+      return False
+    if op.name == "select" and self._rank_scalar(op.operands[0]):
+      return True
+    return any(self._reads_a_staged_buffer(x, depth - 1) for x in op.operands
+               if x.type.rank)
+
+  def _rank_scalar(self, pred: ir.Value) -> bool:
+    return math.prod(pred.shape) > 0 and self.per_rank(broadcast_scalar(pred)) is not None
+
+  # -- the rewrite -----------------------------------------------------------------
+  def _dynamic_index(self, op: ir.Op, first: int) -> Optional[tuple[int, ir.Value]]:
+    """(dim, index) of the one start of a dynamic slice or update that is not
+    a constant."""
+    moving = [(d, v) for d, v in enumerate(op.operands[first:]) if splat_value(v) is None]
+    return moving[0] if len(moving) == 1 else None
+
+  def split(self, module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+    if op.name == "dynamic_update_slice":
+      first, sizes = 2, op.operands[1].shape
+    elif op.name == "dynamic_slice":
+      first, sizes = 1, tuple(op.attrs["slice_sizes"])
+    else:
+      return None
+    found = self._dynamic_index(op, first) if self.partition_id is not None else None
+    if found is None:
+      return None
+    k, index = found
+    ranks = self.per_rank(index)
+    if ranks is None:
+      return None
+    axis, values = ranks
+    x = op.operands[0]
+    if op.name == "dynamic_update_slice" and self._tile_offset(values, sizes[k]):
+      return None
+    if op.name == "dynamic_slice" and not self._reads_a_staged_buffer(x):
+      return None
+    starts = [int(splat_value(v)) if d != k else 0 for d, v in enumerate(op.operands[first:])]
+    out_type = op.results[0].type
+    loc = op.location
+
+    def case(value: int) -> ir.Value:
+      at = [min(max(value if d == k else starts[d], 0), x.shape[d] - sizes[d])
+            for d in range(x.type.rank)]
+      if op.name == "dynamic_slice":
+        return slabs._sliced(module, graph, fresh, place, x, at,
+                             [a + sizes[d] for d, a in enumerate(at)], loc)
+      consts = [_constant(module, fresh, place, a, index.type.dtype, loc) for a in at]
+      return place(fresh(module, "dynamic_update_slice", [x, op.operands[1], *consts], {},
+                         out_type.shape, out_type.dtype, loc))
+
+    coordinate = self._coordinate(module, fresh, place, axis, loc)
+    by_value: dict[int, list[int]] = {}
+    for c, value in enumerate(values):
+      by_value.setdefault(value, []).append(c)
+    order = sorted(by_value)
+    result = case(order[-1])  # the default: every other case's ranks excluded
+    for value in reversed(order[:-1]):
+      holds = None
+      for c in by_value[value]:
+        eq = place(fresh(module, "compare", [coordinate, _constant(
+            module, fresh, place, c, coordinate.type.dtype, loc)],
+            {"comparison_direction": "EQ"}, (), "pred", loc))
+        holds = eq if holds is None else place(fresh(module, "or", [holds, eq], {}, (), "pred",
+                                                     loc))
+      spread = place(fresh(module, "broadcast_in_dim", [holds], {"broadcast_dimensions": ()},
+                           out_type.shape, "pred", loc))
+      result = place(fresh(module, "select", [spread, case(value), result], {}, out_type.shape,
+                           out_type.dtype, loc))
+    return result
+
+  def _coordinate(self, module, fresh, place, axis: str, loc) -> ir.Value:
+    """r_x from partition-id: (pid // stride) % |x|, iota device order."""
+    stride = math.prod(n for a, n in self.mesh.axes[self.mesh.axis_names.index(axis) + 1:])
+    pid = self.partition_id
+    dtype = pid.type.dtype
+    major = place(fresh(module, "divide", [pid, _constant(module, fresh, place, stride, dtype,
+                                                          loc)], {}, (), dtype, loc))
+    return place(fresh(module, "remainder", [major, _constant(
+        module, fresh, place, self.mesh.axis_size(axis), dtype, loc)], {}, (), dtype, loc))
+
+
+def _constant(module, fresh, place, value: int, dtype: str, location) -> ir.Value:
+  np_type = {"ui32": np.uint32, "ui64": np.uint64, "i64": np.int64}.get(dtype, np.int32)
+  return place(fresh(module, "constant", [], {"value": np.array(value, np_type)}, (), dtype,
+                     location))
+
+
+def rank_case_patterns(graph: ir.Graph, mesh: ir.Mesh) -> tuple:
+  """The pattern splitting ``graph``'s rank-indexed buffer ops into cases, or
+  () if no op could be (most programs: nothing to pay)."""
+  if mesh.device_ids is not None and tuple(mesh.device_ids) != tuple(range(mesh.size)):
+    return ()  # (rank arithmetic reads partition ids in iota order only)
+  if not any(op.name in ("dynamic_update_slice", "dynamic_slice") for op in graph.walk()):
+    return ()
+  return (functools.partial(_split, RankCases(mesh, graph)),)
+
+
+def _split(cases: RankCases, module, graph, op):
+  from graphguard_hlo.passes.canonicalize import _emit, _fresh, _simplified_and_placed
+  if op.name not in ("dynamic_update_slice", "dynamic_slice") or math.prod(
+      op.results[0].shape) == 0:
+    return None
+  return cases.split(module, graph, op, _fresh,
+                     lambda new: _simplified_and_placed(module, graph, new), _emit)

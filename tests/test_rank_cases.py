@@ -1,0 +1,92 @@
+"""Buffers written and read at rows that depend on the rank (passes/rank_cases.py):
+each stage writes row ``t - stage`` at step t, as a pipeline keeps its inputs
+for the backward pass, and reads a row back.  Proved when the row read holds
+the sequential value, with its relations checked numerically; refused when it
+holds another step's, and near misses left to the layouts."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax, shard_map
+from jax.sharding import PartitionSpec as P
+
+from graphguard_hlo.api import _abstract_args, verify
+from graphguard_hlo.lowering import lower_distributed, lower_sequential
+from graphguard_hlo.pipeline import prepare_dist
+from graphguard_hlo.relation_check import verify_and_check
+from tests.numbers import outputs_agree
+from tools.zoo.cases import mesh_of
+
+MESH = mesh_of((4,), ("pp",))
+X = jnp.zeros((4, 8))
+
+
+def _seq(x):
+  return (jnp.tanh(x) * 3)[3:4]
+
+
+def _staged(read=lambda stage: 3 - stage, keep_at=2, guard=True, steps=4):
+  """At step t, stage s writes row 3 of tanh(x) * 3, scaled by t + 1 - 3 = 1
+  only at t = 3, into row t - s of a buffer (only where that row exists, if
+  ``guard``); then reads row ``read(s)`` and hands stage ``keep_at``'s to
+  everyone.  Row 3 - s at stage s was written at step 3."""
+  def local(x):
+    stage = lax.axis_index("pp")
+    y = jnp.tanh(x) * 3
+    buf = jnp.zeros((4, 8))
+    for t in range(steps):
+      f = t - stage
+      new = lax.dynamic_update_index_in_dim(buf, y[3] * np.float32(t - 2), f, 0)
+      buf = jnp.where((f >= 0) & (f < 4), new, buf) if guard else new
+    row = lax.dynamic_index_in_dim(buf, read(stage), 0)
+    return lax.psum(jnp.where(stage == keep_at, row, 0.0), "pp")
+  return shard_map(local, mesh=MESH, in_specs=P(), out_specs=P())
+
+
+@pytest.mark.parametrize("keep_at", range(4))
+def test_a_row_written_at_step_minus_stage_is_read_back(keep_at):
+  dist = _staged(keep_at=keep_at)
+  assert outputs_agree(_seq, dist, X)
+  seq = lower_sequential(_seq, X)
+  result, check = verify_and_check(seq, lower_distributed(dist, *_abstract_args((X,), MESH,
+                                                                                  (P(),))))
+  assert result.refines and check.ok, (result, check)
+
+
+@pytest.mark.parametrize("bug", [
+    dict(read=lambda stage: 2 - stage),           # another step's row (t = 2: scaled by 0)
+    dict(read=lambda stage: 3 - stage, keep_at=3, steps=3),  # row never written there
+    dict(read=lambda stage: stage),               # at stage 2, row 2: written at step 4? never
+    dict(read=lambda stage: 2 + stage, keep_at=0),  # row 2 at stage 0: step 2's, scaled by 0
+], ids=["another_steps_row", "never_written", "row_at_the_stage", "row_next_to_a_clamped_one"])
+def test_a_row_holding_another_value_is_not_proved(bug):
+  dist = _staged(**bug)
+  assert not outputs_agree(_seq, dist, X)
+  assert not verify(_seq, dist, X).refines
+
+
+def test_unguarded_writes_clamp_and_wrap_like_the_ops():
+  """Without the guard, rows t - s < 0 wrap (jax) and the rest clamp (XLA):
+  stage 2's row 1 is still step 3's, later steps write elsewhere or nowhere."""
+  dist = _staged(guard=False)
+  assert outputs_agree(_seq, dist, X) == verify(_seq, dist, X).refines
+
+
+def test_a_write_at_a_tile_offset_stays_a_layout():
+  """dus(zeros, x, r * size) is the transfer rules' tile (a partial sum once
+  summed): no cases, so the number of ranks stays out of the program."""
+  def local(x):
+    stage = lax.axis_index("pp")
+    buf = jnp.zeros((8, 8))
+    return lax.psum(lax.dynamic_update_slice_in_dim(buf, x, stage * 2, 0), "pp")
+  dist = shard_map(local, mesh=MESH, in_specs=P("pp"), out_specs=P())
+  program = prepare_dist(lower_distributed(dist, *_abstract_args((jnp.zeros((8, 8)),), MESH,
+                                                                   (P("pp"),))))
+  assert any(op.name == "dynamic_update_slice" for op in program.graph.walk())
+  assert not any(op.name == "select" and op.results[0].type.rank for op in program.graph.walk())
+  x = jnp.zeros((8, 8))
+  assert verify(lambda x: x, dist, x, mesh=MESH, in_specs=(P("pp"),)).refines
