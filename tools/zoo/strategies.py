@@ -1168,13 +1168,19 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # recomputing from the input it saved one step late (the backward of the
   # first microbatch never computed: reported at the first op of its
   # backward), and the cotangents sent forward round the ring (a stage's
-  # cotangent and its saved activations held at different stages).
+  # cotangent and its saved activations held at different stages).  Buffered:
+  # the saved inputs in a buffer by microbatch, written at row t - stage and
+  # read at row t - 2(n - 1) + stage (rank_cases.py); the stale bug reads the
+  # next row.
   if grad:
     for model in MODELS:
       built.append(_one_f_one_b_case(model, cfg))
       built.append(_one_f_one_b_case(model, cfg, "stale_input", "stale_activation", "divide"))
       built.append(_one_f_one_b_case(model, cfg, "cotangent_forward", "wrong_permutation",
                                      "dot_general"))
+      built.append(_one_f_one_b_case(model, cfg, buffered=True))
+      built.append(_one_f_one_b_case(model, cfg, "stale_input", "stale_activation", "divide",
+                                     buffered=True))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
   # attention's partial sums reduced over ("pp", "tp") add another stage's
   # microbatch: reported at the residual add, in the all-reduce's words.
