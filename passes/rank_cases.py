@@ -17,11 +17,14 @@ back is what was written there, and the selects on a rank predicate pin each
 case to its stage (``Transfer._select``).  This is an identity of the ops at
 every rank, not an approximation.
 
-Only where it helps and costs little: a write at a row that is not a tile
-offset (``r * size``, turned or not, is a layout: ``transfer.py`` reads it
-flat in the number of ranks), on one mesh axis; a read of a buffer some
-ranks wrote (a select on a rank predicate within a few ops).  The cases
-grow with the axis' size, which is a pipeline's stage count.
+Only where it helps and costs little, on one mesh axis: a write at a row that
+is not a tile offset (``((r + j) mod n) * size`` is a layout: ``transfer.py``
+reads it flat in the number of ranks, as rings and gathers written by hand
+write), unless the write is kept only where a rank predicate says or goes
+into a buffer some ranks wrote (a schedule's, whose rows may look like a
+tile offset on two stages); a read of a buffer some ranks wrote (a select on
+a rank predicate within a few ops).  The cases grow with the axis' size,
+which is a pipeline's stage count.
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ class RankCases:
     self._memo: dict = {}
     self.partition_id = next((op.results[0] for op in graph.walk()
                               if op.name == "partition_id"), None)
+    # The selects reading each value (of the program as it was before this pass).
+    self.selects: dict[int, list[ir.Op]] = {}
+    for op in graph.walk():
+      if op.name == "select":
+        for v in op.operands[1:]:
+          self.selects.setdefault(v.id, []).append(op)
     # Each partition's coordinate on each axis (iota device order: checked by
     # the caller).
     self.coords = dict(zip(mesh.axis_names, np.unravel_index(
@@ -73,6 +82,11 @@ class RankCases:
     """``((r + j) mod n) * size``: a layout (plain or turned), not cases."""
     n = len(values)
     return any(values == [((c + j) % n) * size for c in range(n)] for j in range(n))
+
+  def _guarded(self, op: ir.Op) -> bool:
+    """Is the write kept only where a rank predicate says (``where(valid,
+    dus(..), buf)``): a schedule's, whatever its rows look like."""
+    return any(self._rank_scalar(s.operands[0]) for s in self.selects.get(op.results[0].id, ()))
 
   def _reads_a_staged_buffer(self, v: ir.Value, depth: int = _BUFFER_DEPTH) -> bool:
     """Some ranks wrote ``v``'s rows: a select on a rank predicate within
@@ -111,7 +125,8 @@ class RankCases:
       return None
     axis, values = ranks
     x = op.operands[0]
-    if op.name == "dynamic_update_slice" and self._tile_offset(values, sizes[k]):
+    if op.name == "dynamic_update_slice" and self._tile_offset(values, sizes[k]) \
+        and not self._guarded(op) and not self._reads_a_staged_buffer(x):
       return None
     if op.name == "dynamic_slice" and not self._reads_a_staged_buffer(x):
       return None

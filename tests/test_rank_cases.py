@@ -90,3 +90,29 @@ def test_a_write_at_a_tile_offset_stays_a_layout():
   assert not any(op.name == "select" and op.results[0].type.rank for op in program.graph.walk())
   x = jnp.zeros((8, 8))
   assert verify(lambda x: x, dist, x, mesh=MESH, in_specs=(P("pp"),)).refines
+
+
+@pytest.mark.parametrize("read,keep_at", [(lambda s: 1 - s, 0), (lambda s: 1 - s, 1),
+                                          (lambda s: s, 0)], ids=["1-s@0", "1-s@1", "s@0"])
+def test_a_guarded_write_at_rows_like_a_tile_offset_is_split(read, keep_at):
+  """On two stages, row t - s is (0, 1) at step 0 (jax wraps -1), ``r``, a
+  gather's offset, and (1, 0) at step 1, ``(r + 1) mod 2``, a ring's.  Kept
+  only where the row exists (a schedule's guard), each is split into cases
+  all the same."""
+  mesh = mesh_of((2,), ("pp",))
+
+  def local(x):
+    stage = lax.axis_index("pp")
+    y = jnp.tanh(x) * 3
+    buf = jnp.zeros((2, 8))
+    for t in range(2):
+      f = t - stage
+      new = lax.dynamic_update_index_in_dim(buf, y[1:2], f, 0)
+      buf = jnp.where((f >= 0) & (f < 2), new, buf)
+    row = lax.dynamic_index_in_dim(buf, read(stage), 0)
+    return lax.psum(jnp.where(stage == keep_at, row, 0.0), "pp")
+  dist = shard_map(local, mesh=mesh, in_specs=P(), out_specs=P())
+  seq = lambda x: (jnp.tanh(x) * 3)[1:2]
+  x = jnp.zeros((2, 8))
+  assert outputs_agree(seq, dist, x)
+  assert verify(seq, dist, x).refines
