@@ -75,6 +75,8 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/pp_1f1b_grad/shard_map/stale_input": "but never on piece 0",
     "llama3/pp_1f1b_grad/shard_map/stale_input": "but never on piece 0",
     "gpt2/pp_1f1b_buffered_grad/shard_map/stale_input": "but never on piece 0",
+    "gpt2/pp_tp_1f1b_grad/shard_map/wrong_replica_groups":
+        "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
     "llama3/pp_1f1b_buffered_grad/shard_map/stale_input": "but never on piece 0",
     "gpt2/pp_1f1b_grad/shard_map/cotangent_forward":
         "sends [(0, 1), (1, 2), (2, 3), (3, 0)] over 'pp' (activations or their cotangents",

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tools.zoo.models import PARTS, Config, base_name, is_stacked, param_specs, run_stack_in_order
+from tools.zoo.models import (PARTS, SEQUENTIAL, Config, Parallel, base_name, is_stacked,
+                              param_specs, run_stack_in_order)
 
 BUGS = ("stale_input", "cotangent_forward")
 
@@ -53,13 +54,15 @@ def _ring(n: int, shift: int) -> list[tuple[int, int]]:
 
 
 def one_f_one_b_step(model: str, cfg: Config, axis: str, microbatches: int,
-                     bug: str | None = None, buffered: bool = False) -> Callable:
+                     bug: str | None = None, buffered: bool = False,
+                     par: Parallel = SEQUENTIAL) -> Callable:
   """``(tokens, labels, *params) -> (loss, grads)`` per device: the stacked
   layers split over ``axis`` by rows (``cfg.stacked_params``), everything else
   replicated.  A stage keeps its inputs for the backward in a list of steps,
   picking the one its schedule needs with a select per stage; ``buffered``:
   in a buffer with a row per microbatch, written and read at rows that depend
-  on the stage (``dynamic_update_slice`` / ``dynamic_slice``)."""
+  on the stage (``dynamic_update_slice`` / ``dynamic_slice``).  ``par``: the
+  hooks inside each stage (Megatron TP over another mesh axis)."""
   assert bug is None or bug in BUGS, bug
   names = [n for n, _ in param_specs(model, cfg)]
   m_count = microbatches
@@ -70,7 +73,7 @@ def one_f_one_b_step(model: str, cfg: Config, axis: str, microbatches: int,
     p = dict(zip(names, params))
     stack = {k: v for k, v in p.items() if is_stacked(k)}
     rest = {k: v for k, v in p.items() if not is_stacked(k)}
-    parts = PARTS[model](cfg)
+    parts = PARTS[model](cfg, par)
     tables = parts.tables(tokens)
     size = tokens.shape[0] // m_count
     rows = lambda x, m: x[m * size:(m + 1) * size]

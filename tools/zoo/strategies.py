@@ -76,8 +76,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tools.zoo import one_f_one_b, training
 from tools.zoo.cases import Case, mesh_of
-from tools.zoo.models import (MODELS, Config, Parallel, arg_shapes, base_name, is_stacked,
-                              loss_fn, param_specs, repeat_kv, run_stack_in_order,
+from tools.zoo.models import (MODELS, SEQUENTIAL, Config, Parallel, arg_shapes, base_name,
+                              is_stacked, loss_fn, param_specs, repeat_kv, run_stack_in_order,
                               slots_per_group)
 
 
@@ -1019,18 +1019,23 @@ def _accumulated(value_and_grad, microbatches: int, divide: bool = True):
 
 
 def _one_f_one_b_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
-                      buffered=False) -> Case:
+                      buffered=False, tp=False, par=None) -> Case:
   """A training step under the 1F1B schedule (``one_f_one_b.py``) on GPipe's
-  stages: the sequential step is ``value_and_grad`` on the whole batch."""
-  strategy = dataclasses.replace(GPIPE, name="pp_1f1b_buffered" if buffered else "pp_1f1b")
+  stages (``tp``: PP_TP_GPIPE's, Megatron TP inside each of 2 stages): the
+  sequential step is ``value_and_grad`` on the whole batch.  ``par``: the
+  stages' hooks, if not the strategy's (a seeded bug inside the stages)."""
+  base = PP_TP_GPIPE if tp else GPIPE
+  name = ("pp_tp_1f1b" if tp else "pp_1f1b") + ("_buffered" if buffered else "")
+  strategy = dataclasses.replace(base, name=name)
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _in_specs(model, strategy, cfg)
   n_params = len(param_specs(model, cfg))
   seq_fn = _named(_loss_and_grads(_seq_fn(model, cfg), n_params),
                   _ident(model, strategy.name, "grad_seq"))
-  step = one_f_one_b.one_f_one_b_step(model, cfg, "pp", 4, bug=None if variant == "ok" else variant,
-                                      buffered=buffered)
+  schedule_bug = variant if variant in one_f_one_b.BUGS else None
+  step = one_f_one_b.one_f_one_b_step(model, cfg, "pp", 4, bug=schedule_bug, buffered=buffered,
+                                      par=par or (_tp_par() if tp else SEQUENTIAL))
   dist_fn = shard_map(_named(step, _ident(model, strategy.name, "grad")), mesh=mesh,
                       in_specs=specs, out_specs=(P(), tuple(specs[2:])))
   return Case(name=f"{model}/{strategy.name}_grad/shard_map/{variant}", seq_fn=seq_fn,
@@ -1181,6 +1186,12 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_one_f_one_b_case(model, cfg, buffered=True))
       built.append(_one_f_one_b_case(model, cfg, "stale_input", "stale_activation", "divide",
                                      buffered=True))
+      # ... with Megatron TP inside each of 2 stages (2 x 4), both ways of saving.
+      built.append(_one_f_one_b_case(model, cfg, tp=True))
+      built.append(_one_f_one_b_case(model, cfg, tp=True, buffered=True))
+    built.append(_one_f_one_b_case("gpt2", cfg, "wrong_replica_groups", "wrong_replica_groups",
+                                   "add", tp=True,
+                                   par=_tp_par(lambda axis: _psum(("pp", axis)))))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
   # attention's partial sums reduced over ("pp", "tp") add another stage's
   # microbatch: reported at the residual add, in the all-reduce's words.
