@@ -46,6 +46,8 @@ _BUFFER_OPS = frozenset({"select", "dynamic_update_slice", "concatenate", "pad",
 
 
 class RankCases:
+  """The per-device program's rank-indexed buffer ops and their cases."""
+
   def __init__(self, mesh: ir.Mesh, graph: ir.Graph):
     self.mesh = mesh
     self._memo: dict = {}
@@ -110,6 +112,7 @@ class RankCases:
     return moving[0] if len(moving) == 1 else None
 
   def split(self, module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+    """``op`` as a select over its row's values on the ranks (None: left as it is)."""
     if op.name == "dynamic_update_slice":
       first, sizes = 2, op.operands[1].shape
     elif op.name == "dynamic_slice":
