@@ -111,8 +111,9 @@ class RankCases:
     moving = [(d, v) for d, v in enumerate(op.operands[first:]) if splat_value(v) is None]
     return moving[0] if len(moving) == 1 else None
 
-  def split(self, module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
-    """``op`` as a select over its row's values on the ranks (None: left as it is)."""
+  def plan(self, op: ir.Op) -> Optional[tuple]:
+    """(first start operand, sizes, dim, index, axis, values) if ``op`` is
+    split into cases; None: left as it is."""
     if op.name == "dynamic_update_slice":
       first, sizes = 2, op.operands[1].shape
     elif op.name == "dynamic_slice":
@@ -120,7 +121,7 @@ class RankCases:
     else:
       return None
     found = self._dynamic_index(op, first) if self.partition_id is not None else None
-    if found is None:
+    if found is None or math.prod(op.results[0].shape) == 0:
       return None
     k, index = found
     ranks = self.per_rank(index)
@@ -133,6 +134,15 @@ class RankCases:
       return None
     if op.name == "dynamic_slice" and not self._reads_a_staged_buffer(x):
       return None
+    return first, sizes, k, index, axis, values
+
+  def split(self, module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+    """``op`` as a select over its row's values on the ranks (None: left as it is)."""
+    planned = self.plan(op)
+    if planned is None:
+      return None
+    first, sizes, k, index, axis, values = planned
+    x = op.operands[0]
     starts = [int(splat_value(v)) if d != k else 0 for d, v in enumerate(op.operands[first:])]
     out_type = op.results[0].type
     loc = op.location
@@ -189,15 +199,18 @@ def rank_case_patterns(graph: ir.Graph, mesh: ir.Mesh) -> tuple:
   () if no op could be (most programs: nothing to pay)."""
   if mesh.device_ids is not None and tuple(mesh.device_ids) != tuple(range(mesh.size)):
     return ()  # (rank arithmetic reads partition ids in iota order only)
-  if not any(op.name in ("dynamic_update_slice", "dynamic_slice") for op in graph.walk()):
+  ops = [op for op in graph.walk() if op.name in ("dynamic_update_slice", "dynamic_slice")]
+  if not ops:
     return ()
-  return (functools.partial(_split, RankCases(mesh, graph)),)
+  cases = RankCases(mesh, graph)
+  if not any(cases.plan(op) for op in ops):
+    return ()  # (GSPMD's slices at tile offsets: no second canonicalization to pay for)
+  return (functools.partial(_split, cases),)
 
 
 def _split(cases: RankCases, module, graph, op):
   from graphguard_hlo.passes.canonicalize import _emit, _fresh, _simplified_and_placed
-  if op.name not in ("dynamic_update_slice", "dynamic_slice") or math.prod(
-      op.results[0].shape) == 0:
+  if op.name not in ("dynamic_update_slice", "dynamic_slice"):
     return None
   return cases.split(module, graph, op, _fresh,
                      lambda new: _simplified_and_placed(module, graph, new), _emit)
