@@ -49,7 +49,15 @@ def _staged(read=lambda stage: 3 - stage, keep_at=2, guard=True, steps=4):
 
 @pytest.mark.parametrize("keep_at", range(4))
 def test_a_row_written_at_step_minus_stage_is_read_back(keep_at):
-  dist = _staged(keep_at=keep_at)
+  _proved_and_checked(_staged(keep_at=keep_at))
+
+
+def test_a_row_read_past_the_end_is_clamped_like_the_op():
+  """Stage 0 reads row 7 - 0: XLA clamps it to row 3, written at step 3."""
+  _proved_and_checked(_staged(read=lambda stage: 7 - stage, keep_at=0))
+
+
+def _proved_and_checked(dist):
   assert outputs_agree(_seq, dist, X)
   seq = lower_sequential(_seq, X)
   result, check = verify_and_check(seq, lower_distributed(dist, *_abstract_args((X,), MESH,
@@ -69,11 +77,13 @@ def test_a_row_holding_another_value_is_not_proved(bug):
   assert not verify(_seq, dist, X).refines
 
 
-def test_unguarded_writes_clamp_and_wrap_like_the_ops():
-  """Without the guard, rows t - s < 0 wrap (jax) and the rest clamp (XLA):
-  stage 2's row 1 is still step 3's, later steps write elsewhere or nowhere."""
-  dist = _staged(guard=False)
-  assert outputs_agree(_seq, dist, X) == verify(_seq, dist, X).refines
+@pytest.mark.parametrize("keep_at", range(4))
+def test_unguarded_writes_clamp_and_wrap_like_the_ops(keep_at):
+  """Without the guard, rows t - s < 0 wrap (jax) to rows later steps write
+  again: row 3 - s is still step 3's at every stage."""
+  dist = _staged(guard=False, keep_at=keep_at)
+  assert outputs_agree(_seq, dist, X)
+  assert verify(_seq, dist, X).refines
 
 
 def test_a_write_at_a_tile_offset_stays_a_layout():
