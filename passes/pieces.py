@@ -134,7 +134,7 @@ class Pieces:
     self.inf = inf
     self.splits: dict[int, Split] = {}
     # id(op) -> (split dim, pieces, the pieces no per-device op computed)
-    self.missed: dict[int, tuple[int, int, list[int]]] = {}
+    self.missed: dict[int, tuple[int, int, list[int], tuple]] = {}
     # sequential value id -> (dim, the rows of each tile its slices cover, tile size)
     self.partial_cuts: dict[int, tuple[int, list, int]] = {}
     self._sliced: Optional[set[int]] = None  # the classes some static slice reads
@@ -258,7 +258,9 @@ class Pieces:
         missed.append(m)
       results.append(piece.results[0])
     if missed:
-      self.missed[id(op)] = (split.dim, len(results), missed)
+      self.missed[id(op)] = (split.dim, len(results), missed,
+                             self._common_pins(results[m] for m in range(len(results))
+                                               if m not in missed))
       return
     if summed:
       inf.sums.start(op, results)
@@ -340,14 +342,22 @@ class Pieces:
                 f"buffer, in the wrong order?)")
     if id(op) not in self.missed:
       return ""
-    dim, count, missed = self.missed[id(op)]
+    dim, count, missed, pins = self.missed[id(op)]
     done = [m for m in range(count) if m not in missed]
     if not done:
       return ""
-    return (f"the per-device program computes this {op.name} on pieces "
+    where = "".join(f" at {a}={c}" for a, c in pins)
+    return (f"the per-device program computes this {op.name}{where} on pieces "
             f"{', '.join(map(str, done))} of the {count} its operand is cut into along "
             f"dim {dim}, but never on piece{'s' if len(missed) > 1 else ''} "
             f"{', '.join(map(str, missed))} (a microbatch skipped, or taken twice?)")
+
+  def _common_pins(self, pieces) -> tuple[tuple[str, int], ...]:
+    """The mesh coordinates every relation of every computed piece is pinned
+    to, if they all are to the same ones (a pipeline stage's pieces): where
+    the missing pieces were due."""
+    pin_sets = {r.layout.at for t in pieces for r in self.inf.whole_relations(t)}
+    return next(iter(pin_sets)) if len(pin_sets) == 1 else ()
 
   def _joined_in_another_order(self, v: ir.Value) -> Optional[list[int]]:
     """The order of the pieces a per-device concatenation of all of ``v``'s
