@@ -53,7 +53,8 @@ def test_names_and_metadata():
                                    "slots_over_all_tokens", "missing_allgather",
                                    "nll_max_not_reduced", "vocab_ids_not_offset",
                                    "norm_counts_replicas", "grad_not_divided",
-                                   "microbatch_skipped", "output_misplaced", "stale_activation"}
+                                   "microbatch_skipped", "output_misplaced", "stale_activation",
+                                   "wrong_model_chunk"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "tp_vocab", "sp", "dp_tp", "cp", "dp_tp_cp", "dp_take"):
       for style in ("shard_map", "gspmd"):
@@ -76,6 +77,7 @@ def test_names_and_metadata():
     strategies.get(f"{model}/dp_tp_vocab_take_grad/shard_map/ok")
     strategies.get(f"{model}/tp_vocab_optax_grad/gspmd/ok")
     strategies.get(f"{model}/ring_attention_vjp_grad/shard_map/ok")
+    strategies.get(f"{model}/pp_interleaved_1f1b_grad/shard_map/ok")
   strategies.get("llama3/ep_capacity_grad/gspmd/ok")
   strategies.get("llama3/ep_top_k_grad/gspmd/ok")
 

@@ -63,6 +63,11 @@ class Config:
   # Layers stacked as above but unrolled, each reading its row of the stacks
   # (``Parallel.run_stack``: a pipeline runs its stage's rows).
   stacked_params: bool = False
+  # > 1 (with ``stacked_params``): the stacks are held as ``[virtual_stages,
+  # layers // virtual_stages, ...]`` and run chunk after chunk, row after row:
+  # the layout of an interleaved pipeline's weights (MaxText's
+  # ``num_pipeline_repeats``), where stage s holds row s of every chunk.
+  virtual_stages: int = 1
   # llama3 only: > 0 replaces the SwiGLU MLP by a top-k Mixture-of-Experts
   # layer with this many SwiGLU experts (``moe_mlp``), each token routed to
   # ``top_k`` of them.
@@ -83,6 +88,8 @@ class Config:
     assert self.heads % self.kv_heads == 0, self
     assert self.head_dim % 2 == 0, self
     assert not (self.scan_layers and self.stacked_params), self
+    assert self.virtual_stages == 1 or (self.stacked_params
+                                        and self.layers % self.virtual_stages == 0), self
 
   @property
   def head_dim(self) -> int:
@@ -216,7 +223,9 @@ def param_specs(model: str, cfg: Config) -> list[tuple[str, tuple]]:
   if model not in MODELS:
     raise ValueError(f"unknown model {model!r}; known: {MODELS}")
   if cfg.scan_layers or cfg.stacked_params:
-    layers = [(f"layers.{n}", (cfg.layers, *s)) for n, s in _layer_params(model, cfg)]
+    rows = ((cfg.layers,) if cfg.virtual_stages == 1
+            else (cfg.virtual_stages, cfg.layers // cfg.virtual_stages))
+    layers = [(f"layers.{n}", (*rows, *s)) for n, s in _layer_params(model, cfg)]
   else:
     layers = [(f"l{i}.{n}", s) for i in range(cfg.layers)
               for n, s in _layer_params(model, cfg)]
@@ -253,7 +262,11 @@ def _run_layers(h, p: dict, cfg: Config, layer: Callable, par: Parallel):
   gathering = lambda read: (lambda n: par.layer_weight(n, read(n)))
   if cfg.stacked_params:
     run = par.run_stack or run_stack_in_order
-    return run(h, stacked, lambda h, w: layer(h, gathering(w)))
+    chunks = ([stacked] if cfg.virtual_stages == 1 else
+              [{n: w[c] for n, w in stacked.items()} for c in range(cfg.virtual_stages)])
+    for chunk in chunks:
+      h = run(h, chunk, lambda h, w: layer(h, gathering(w)))
+    return h
   if not cfg.scan_layers:
     for i in range(cfg.layers):
       h = layer(h, gathering(lambda n, i=i: p[f"l{i}.{n}"]))

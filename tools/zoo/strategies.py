@@ -723,14 +723,18 @@ def _cfg(strategy: _Strategy, base: Config) -> Config:
   return dataclasses.replace(base, **dict(strategy.cfg_overrides))
 
 
-def _param_spec(model: str, strategy: _Strategy, name: str) -> P:
+def _param_spec(model: str, strategy: _Strategy, name: str, cfg: Config) -> P:
+  """A stack's rows (with virtual stages: each chunk's rows) over the layer axis."""
   spec = strategy.param_spec(model, name)
-  return P(strategy.layer_axis, *spec) if is_stacked(name) else spec
+  if not is_stacked(name):
+    return spec
+  chunks = (None,) if cfg.virtual_stages > 1 else ()
+  return P(*chunks, strategy.layer_axis, *spec)
 
 
 def _in_specs(model: str, strategy: _Strategy, cfg: Config) -> tuple:
   return ((strategy.token_spec, strategy.token_spec)
-          + tuple(_param_spec(model, strategy, n) for n, _ in param_specs(model, cfg)))
+          + tuple(_param_spec(model, strategy, n, cfg) for n, _ in param_specs(model, cfg)))
 
 
 @functools.cache
@@ -1021,22 +1025,44 @@ def _accumulated(value_and_grad, microbatches: int, divide: bool = True):
 def _one_f_one_b_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
                       buffered=False, tp=False, par=None) -> Case:
   """A training step under the 1F1B schedule (``one_f_one_b.py``) on GPipe's
-  stages (``tp``: PP_TP_GPIPE's, Megatron TP inside each of 2 stages): the
-  sequential step is ``value_and_grad`` on the whole batch.  ``par``: the
-  stages' hooks, if not the strategy's (a seeded bug inside the stages)."""
+  stages (``tp``: PP_TP_GPIPE's, Megatron TP inside each of 2 stages).
+  ``par``: the stages' hooks, if not the strategy's (a seeded bug inside the
+  stages)."""
   base = PP_TP_GPIPE if tp else GPIPE
   name = ("pp_tp_1f1b" if tp else "pp_1f1b") + ("_buffered" if buffered else "")
-  strategy = dataclasses.replace(base, name=name)
+  schedule_bug = variant if variant in one_f_one_b.BUGS else None
+  return _schedule_case(
+      model, dataclasses.replace(base, name=name), cfg, variant, bug, bug_primitive,
+      lambda cfg: one_f_one_b.one_f_one_b_step(
+          model, cfg, "pp", 4, bug=schedule_bug, buffered=buffered,
+          par=par or (_tp_par() if tp else SEQUENTIAL)))
+
+
+def _interleaved_case(model, cfg, variant="ok", bug=None, bug_primitive=None) -> Case:
+  """A training step under the interleaved 1F1B schedule
+  (``one_f_one_b.interleaved_one_f_one_b_step``): GPipe's 8 layers on 4
+  stages as 2 virtual stages (chunks) of one layer each, the stacks held as
+  ``[2, 4, ...]`` with their second dim split over "pp"."""
+  strategy = dataclasses.replace(GPIPE, name="pp_interleaved_1f1b", cfg_overrides=tuple(
+      dict(GPIPE.cfg_overrides, virtual_stages=2).items()))
+  schedule_bug = variant if variant in one_f_one_b.INTERLEAVED_BUGS else None
+  return _schedule_case(
+      model, strategy, cfg, variant, bug, bug_primitive,
+      lambda cfg: one_f_one_b.interleaved_one_f_one_b_step(model, cfg, "pp", 4,
+                                                           bug=schedule_bug))
+
+
+def _schedule_case(model, strategy, cfg, variant, bug, bug_primitive, make_step) -> Case:
+  """A training step written by hand (``make_step(cfg)``: per device,
+  ``(tokens, labels, *params) -> (loss, grads)``) inside shard_map; the
+  sequential step is ``value_and_grad`` of the plain model on the whole batch."""
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _in_specs(model, strategy, cfg)
   n_params = len(param_specs(model, cfg))
   seq_fn = _named(_loss_and_grads(_seq_fn(model, cfg), n_params),
                   _ident(model, strategy.name, "grad_seq"))
-  schedule_bug = variant if variant in one_f_one_b.BUGS else None
-  step = one_f_one_b.one_f_one_b_step(model, cfg, "pp", 4, bug=schedule_bug, buffered=buffered,
-                                      par=par or (_tp_par() if tp else SEQUENTIAL))
-  dist_fn = shard_map(_named(step, _ident(model, strategy.name, "grad")), mesh=mesh,
+  dist_fn = shard_map(_named(make_step(cfg), _ident(model, strategy.name, "grad")), mesh=mesh,
                       in_specs=specs, out_specs=(P(), tuple(specs[2:])))
   return Case(name=f"{model}/{strategy.name}_grad/shard_map/{variant}", seq_fn=seq_fn,
               dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
@@ -1192,6 +1218,19 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_one_f_one_b_case("gpt2", cfg, "wrong_replica_groups", "wrong_replica_groups",
                                    "add", tp=True,
                                    par=_tp_par(lambda axis: _psum(("pp", axis)))))
+    # Interleaved 1F1B: 2 virtual stages (chunks) of one layer on each of 4
+    # stages.  Bugs: the units taken depth first (chunk 1 of a microbatch
+    # starts before chunk 0's output has come round the ring: stage 0 drops
+    # microbatches 0 and 1 there, reported at the first op of chunk 1), and a
+    # stage's chunk taken from the step instead of its own unit (stage 1 runs
+    # microbatch 3 through layer 5's weights: its backward recomputes layer 1
+    # right, up to the output projection, which it has no need to recompute:
+    # reported there).
+    for model in MODELS:
+      built.append(_interleaved_case(model, cfg))
+    built.append(_interleaved_case("gpt2", cfg, "depth_first", "microbatch_skipped", "reduce"))
+    built.append(_interleaved_case("gpt2", cfg, "chunk_of_step", "wrong_model_chunk",
+                                   "dot_general"))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
   # attention's partial sums reduced over ("pp", "tp") add another stage's
   # microbatch: reported at the residual add, in the all-reduce's words.
