@@ -248,6 +248,20 @@ _TABLE_OPS = ("constant", "partition_id", "reshape", "convert", "broadcast_in_di
               "dynamic_slice", "compare", "select", "and", "or", "negate", "abs", "sign")
 
 
+def per_coordinate(table: np.ndarray, mesh: ir.Mesh) -> Optional[tuple[str, list[int]]]:
+  """(x, [value at r_x = 0, .., |x| - 1]) if a per-partition ``table`` depends
+  on the mesh coordinate r_x alone (the first such axis if it is constant);
+  None if on several axes or if the devices are not in iota order."""
+  if mesh.device_ids is not None and tuple(mesh.device_ids) != tuple(range(mesh.size)):
+    return None
+  coords = np.unravel_index(np.arange(mesh.size), tuple(n for _, n in mesh.axes))
+  for (axis, n), at in zip(mesh.axes, coords):
+    values = [table[at == c] for c in range(n)]
+    if all(len(set(v.tolist())) == 1 for v in values):
+      return axis, [int(v[0]) for v in values]
+  return None
+
+
 def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None,
                        aliases: Optional[dict] = None) -> Optional[np.ndarray]:
   """``v`` (an integer scalar) on each of the ``n`` partitions, if it is

@@ -24,7 +24,9 @@ write), unless the write is kept only where a rank predicate says or goes
 into a buffer some ranks wrote (a schedule's, whose rows may look like a
 tile offset on two stages); a read of a buffer some ranks wrote (a select on
 a rank predicate within a few ops).  The cases grow with the axis' size,
-which is a pipeline's stage count.
+which is a pipeline's stage count.  A row, or a select's predicate, that every
+partition computes alike is that one value: the op at a constant row, the
+select's branch.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes import slabs
-from graphguard_hlo.passes.rank_arith import broadcast_scalar, partition_id_table
+from graphguard_hlo.passes.rank_arith import broadcast_scalar, partition_id_table, per_coordinate
 from graphguard_hlo.passes.terms import splat_value
 
 # How far back through buffer ops a read looks for a select on a rank predicate.
@@ -59,10 +61,6 @@ class RankCases:
       if op.name == "select":
         for v in op.operands[1:]:
           self.selects.setdefault(v.id, []).append(op)
-    # Each partition's coordinate on each axis (iota device order: checked by
-    # the caller).
-    self.coords = dict(zip(mesh.axis_names, np.unravel_index(
-        np.arange(mesh.size), tuple(n for _, n in mesh.axes))))
 
   # -- which index, on which ranks ------------------------------------------------
   def per_rank(self, index: ir.Value) -> Optional[tuple[str, list[int]]]:
@@ -72,12 +70,32 @@ class RankCases:
     table = partition_id_table(index, self.mesh.size, self._memo)
     if table is None or len(set(table.tolist())) < 2:
       return None
-    for axis, n in self.mesh.axes:
-      at = self.coords[axis]
-      values = [table[at == c] for c in range(n)]
-      if all(len(set(v.tolist())) == 1 for v in values):
-        return axis, [int(v[0]) for v in values]
-    return None
+    return per_coordinate(table, self.mesh)
+
+  def same_on_every_rank(self, index: ir.Value) -> Optional[int]:
+    """The value of a scalar computed from the partition id that every
+    partition computes alike (a schedule's row at a step where all stages
+    agree): a constant the program does not spell as one."""
+    table = partition_id_table(index, self.mesh.size, self._memo)
+    if table is None or len(set(table.tolist())) != 1:
+      return None
+    return int(table[0])
+
+  def uniform_select(self, op: ir.Op) -> Optional[ir.Value]:
+    """The branch a ``select`` takes on every partition alike, if its
+    predicate is computed from the partition id and holds (or fails) on all
+    of them: an indexed schedule's mask at a step where no stage (or every
+    stage) runs a chunk.  Folded, the sum it feeds does not grow a new value
+    per step that equals the old one everywhere."""
+    if op.name != "select" or self.partition_id is None:
+      return None
+    pred = broadcast_scalar(op.operands[0])
+    if math.prod(pred.shape) != 1:
+      return None
+    same = self.same_on_every_rank(pred)
+    if same is None:
+      return None
+    return op.operands[1] if same else op.operands[2]
 
   @staticmethod
   def _tile_offset(values: list[int], size: int) -> bool:
@@ -126,13 +144,18 @@ class RankCases:
     k, index = found
     ranks = self.per_rank(index)
     if ranks is None:
-      return None
+      same = self.same_on_every_rank(index)
+      if same is None:
+        return None
+      axis, n = self.mesh.axes[0]
+      return first, sizes, k, index, axis, [same] * n  # one case: the op at that row
     axis, values = ranks
     x = op.operands[0]
     if op.name == "dynamic_update_slice" and self._tile_offset(values, sizes[k]) \
         and not self._guarded(op) and not self._reads_a_staged_buffer(x):
       return None
-    if op.name == "dynamic_slice" and not self._reads_a_staged_buffer(x):
+    if op.name == "dynamic_slice" and self._tile_offset(values, sizes[k]) \
+        and not self._reads_a_staged_buffer(x):
       return None
     return first, sizes, k, index, axis, values
 
@@ -199,17 +222,20 @@ def rank_case_patterns(graph: ir.Graph, mesh: ir.Mesh) -> tuple:
   () if no op could be (most programs: nothing to pay)."""
   if mesh.device_ids is not None and tuple(mesh.device_ids) != tuple(range(mesh.size)):
     return ()  # (rank arithmetic reads partition ids in iota order only)
-  ops = [op for op in graph.walk() if op.name in ("dynamic_update_slice", "dynamic_slice")]
+  ops = [op for op in graph.walk()
+         if op.name in ("dynamic_update_slice", "dynamic_slice", "select")]
   if not ops:
     return ()
   cases = RankCases(mesh, graph)
-  if not any(cases.plan(op) for op in ops):
+  if not any(cases.plan(op) or cases.uniform_select(op) for op in ops):
     return ()  # (GSPMD's slices at tile offsets: no second canonicalization to pay for)
   return (functools.partial(_split, cases),)
 
 
 def _split(cases: RankCases, module, graph, op):
   from graphguard_hlo.passes.canonicalize import _emit, _fresh, _simplified_and_placed
+  if op.name == "select":
+    return cases.uniform_select(op)
   if op.name not in ("dynamic_update_slice", "dynamic_slice"):
     return None
   return cases.split(module, graph, op, _fresh,

@@ -25,8 +25,10 @@ from graphguard_hlo import ir
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.layout import Layout
 
-# Beyond this many (class, layout) choices per layer, a join is not tried.
+# Beyond this many (class, layout) choices per layer, a join is not tried;
+# at most this many combinations of them are looked up.
 _MAX_CHOICES = 8
+_MAX_JOINS = 64
 
 
 def _unpinned(layout: Layout, axis: str) -> Layout:
@@ -70,12 +72,14 @@ def stage_joins(inf, op: ir.Op) -> Iterator[tuple[int, Layout]]:
       local = joined.local_shape(op.results[0].shape, inf.mesh)
       if local is None or not joined.is_valid():
         continue
-      for children in itertools.product(*classes):
+      # Every class the per-device program has: one slot may hold several
+      # values equal at every stage (a sum before and after adding terms that
+      # are zero everywhere), and the program concatenates one of them.
+      for children in itertools.islice(itertools.product(*classes), _MAX_JOINS):
         cls = children[0] if m == 1 else _concatenated(inf, children, k, local,
                                                        op.results[0].type.dtype)
         if cls is not None:
           yield cls, joined
-          break
 
 
 def _concatenated(inf, children, k: int, local, dtype: str) -> Optional[int]:

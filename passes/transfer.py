@@ -41,7 +41,8 @@ from graphguard_hlo.ir import axis_base, rotated_axis
 from graphguard_hlo.reference import COMPARISONS
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.layout import Layout
-from graphguard_hlo.passes.rank_arith import RankArithmetic, broadcast_scalar, rank_symbol
+from graphguard_hlo.passes.rank_arith import (RankArithmetic, broadcast_scalar,
+                                              partition_id_table, per_coordinate, rank_symbol)
 from graphguard_hlo.passes.zeros import ZeroFacts, covers
 from graphguard_hlo.passes.unit_dims import lower_lifted, only_unit_dims_change, unit_dim_lifts
 
@@ -85,6 +86,7 @@ class Transfer:
     self.deg = deg
     self.arith = arith
     self.mesh = mesh
+    self._tables: dict = {}  # partition_id_table's memo
     # Per-device `add(iota, offset)`: the candidates for tiles of a sequential iota.
     self.iota_adds = [
         op for op in graph.ops
@@ -345,17 +347,26 @@ class Transfer:
     op = broadcast_scalar(pred).producer
     if op is None or math.prod(op.results[0].shape) != 1:
       return None
+    found = None
     if op.name == "compare":
-      return self._rank_compare(op)
-    if op.name == "not":
+      found = self._rank_compare(op)
+    elif op.name == "not":
       inner = self.rank_predicate(op.operands[0])
-      return inner and (inner[0], set(range(self.mesh.axis_size(inner[0]))) - inner[1])
-    if op.name in ("and", "or"):
+      found = inner and (inner[0], set(range(self.mesh.axis_size(inner[0]))) - inner[1])
+    elif op.name in ("and", "or"):
       a, b = (self.rank_predicate(v) for v in op.operands)
-      if a is None or b is None or a[0] != b[0]:
-        return None
-      return a[0], (a[1] & b[1]) if op.name == "and" else (a[1] | b[1])
-    return None
+      if a is not None and b is not None and a[0] == b[0]:
+        found = a[0], (a[1] & b[1]) if op.name == "and" else (a[1] | b[1])
+    return found or self._rank_predicate_by_table(op.results[0])
+
+  def _rank_predicate_by_table(self, pred: ir.Value) -> Optional[tuple[str, set[int]]]:
+    """The predicate evaluated on every partition, where rank arithmetic
+    cannot say it symbolically (jnp's floor division and remainder: sympy
+    keeps them only where they split at mesh digits), if it depends on one
+    mesh coordinate."""
+    table = partition_id_table(pred, self.mesh.size, self._tables)
+    found = None if table is None else per_coordinate(table, self.mesh)
+    return found and (found[0], {c for c, holds in enumerate(found[1]) if holds})
 
   def _rank_compare(self, op: ir.Op) -> Optional[tuple[str, set[int]]]:
     a, b = (self.arith.value(v) for v in op.operands)

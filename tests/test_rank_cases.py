@@ -126,3 +126,44 @@ def test_a_guarded_write_at_rows_like_a_tile_offset_is_split(read, keep_at):
   x = jnp.zeros((2, 8))
   assert outputs_agree(seq, dist, x)
   assert verify(seq, dist, x).refines
+
+
+# A stack of 2 chunks x 4 stages (an interleaved pipeline's weights, the
+# stages' dim split over "pp"); at step t stage s runs chunk ((t - s) // 4) % 2.
+CHUNKS = jnp.zeros((2, 4, 8))
+
+
+def _chunk(t, stage):
+  return ((t - stage) // 4) % 2
+
+
+def _chunk_read(t: int, keep_at: int):
+  """Stage s reads its row of chunk ``_chunk(t, s)`` at that row (a
+  dynamic_slice of a parameter, not of a buffer), and stage ``keep_at``'s is
+  handed to everyone."""
+  def local(w):
+    stage = lax.axis_index("pp")
+    row = lax.dynamic_index_in_dim(w, _chunk(t, stage), 0, keepdims=False)[0]
+    return lax.psum(jnp.where(stage == keep_at, jnp.tanh(row) * 3, 0.0), "pp")
+  return shard_map(local, mesh=MESH, in_specs=P(None, "pp"), out_specs=P())
+
+
+@pytest.mark.parametrize("t", [6, 3], ids=["rows_differ_by_stage", "same_row_everywhere"])
+@pytest.mark.parametrize("keep_at", range(4))
+def test_a_weight_read_at_a_row_computed_from_the_stage(t, keep_at):
+  """At t = 6 the rows are 1, 1, 1, 0 (no tile offset: cases); at t = 3 every
+  stage reads row 0, a constant the program spells with the partition id."""
+  seq = lambda w: jnp.tanh(w[_chunk(t, keep_at), keep_at]) * 3
+  dist = _chunk_read(t, keep_at)
+  assert outputs_agree(seq, dist, CHUNKS)
+  result, check = verify_and_check(lower_sequential(seq, CHUNKS), lower_distributed(
+      dist, *_abstract_args((CHUNKS,), MESH, (P(None, "pp"),))))
+  assert result.refines and check.ok, (result, check)
+
+
+@pytest.mark.parametrize("keep_at", range(4))
+def test_a_weight_read_at_the_other_chunks_row_is_not_proved(keep_at):
+  seq = lambda w: jnp.tanh(w[1 - _chunk(6, keep_at), keep_at]) * 3
+  dist = _chunk_read(6, keep_at)
+  assert not outputs_agree(seq, dist, CHUNKS)
+  assert not verify(seq, dist, CHUNKS).refines

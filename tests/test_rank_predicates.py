@@ -1,7 +1,8 @@
 """Predicates on one mesh coordinate (Transfer.rank_predicate): a compare of
 rank arithmetic, or and / or / not of such compares on one axis, pick the
 ranks a select takes a value from.  A schedule's "microbatch t - stage is in
-range" is two compares and-ed.  Masked psums picking one stage are proved;
+range" is two compares and-ed; what rank arithmetic cannot say symbolically
+(jnp's floor division) is evaluated on every partition.  Masked psums picking one stage are proved;
 masks picking two stages, or none, are not."""
 
 import os
@@ -39,12 +40,16 @@ ONE_STAGE = {
     "or_out_of_range": lambda r: (r == 2) | (r == 7),
     "not": lambda r: ~(r != 2),
     "and_of_offsets": lambda r: (5 - 2 * 2 + r >= 2) & (5 - 2 * 2 + r < 3),
+    # An interleaved schedule's "chunk of unit t - stage is 1", t = 6:
+    # jnp's floor division and remainder, evaluated on every partition.
+    "floor_div_and_mod": lambda r: (((6 - r) // 4) % 2 == 1) & ((6 - r) % 4 == 0),
 }
 NOT_ONE_STAGE = {
     "and_of_two_stages": lambda r: (r >= 2) & (r < 4),
     "or_of_two_stages": lambda r: (r == 2) | (r == 0),
     "not_of_one": lambda r: ~(r == 2),
     "and_of_none": lambda r: (r >= 3) & (r < 2),
+    "floor_div_of_three_stages": lambda r: ((6 - r) // 4) % 2 == 1,
 }
 
 

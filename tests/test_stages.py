@@ -73,3 +73,44 @@ def test_one_layer_per_stage():
   seq = lambda w: jnp.concatenate([_layer(w[l:l + 1]) for l in range(4)])
   dist = shard_map(lambda w: _layer(w[0:1]), mesh=MESH, in_specs=P("pp"), out_specs=P("pp"))
   assert verify(seq, dist, w).refines
+
+
+def _summed_then_zeros(zero_term, count: int):
+  """Each stage's row as a sum of terms masked per stage, then ``count``
+  terms ``zero_term(stage, row)`` that are zero at every stage."""
+  def local(w):
+    stage = lax.axis_index("pp")
+    acc = jnp.zeros((1, 3))
+    for s in range(4):
+      acc = acc + jnp.where(stage == s, _layer(w[0:1]), 0.0)
+    for _ in range(count):
+      acc = acc + zero_term(stage, _layer(w[0:1]))
+    return acc[None]
+  return shard_map(local, mesh=MESH, in_specs=P("pp"), out_specs=P(None, "pp"))
+
+
+def _stacked_seq(w):
+  return jnp.concatenate([_layer(w[l:l + 1]) for l in range(4)])[None]
+
+
+def test_a_stage_sum_before_and_after_adding_zeros_is_joined():
+  """The sums before and after adding zeros (``x * 0``) are different
+  per-device values related alike at every stage (8 of them), and the program
+  concatenates the last.  (Joining only the first one found, as this pass
+  once did, proved it for 1 order of those classes in 8.)"""
+  w = jnp.zeros((4, 3))
+  dist = _summed_then_zeros(lambda stage, x: x * 0.0, 4)
+  assert outputs_agree(_stacked_seq, dist, w)
+  result = verify(_stacked_seq, dist, w)
+  assert result.refines, result
+
+
+def test_terms_masked_on_no_stage_are_folded():
+  """``where(stage > 7, x, 0)`` is zero on every partition: folded (rank
+  cases), the sum has no 12 equal values to choose from (beyond the join's
+  cap on choices), and the stack is joined."""
+  w = jnp.zeros((4, 3))
+  dist = _summed_then_zeros(lambda stage, x: jnp.where(stage > 7, x, 0.0), 12)
+  assert outputs_agree(_stacked_seq, dist, w)
+  result = verify(_stacked_seq, dist, w)
+  assert result.refines, result
