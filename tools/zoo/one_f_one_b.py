@@ -166,7 +166,7 @@ def one_f_one_b_step(model: str, cfg: Config, axis: str, microbatches: int,
 # Interleaved 1F1B (virtual stages).
 # --------------------------------------------------------------------------
 
-INTERLEAVED_BUGS = ("depth_first", "chunk_of_step")
+INTERLEAVED_BUGS = ("depth_first", "chunk_of_step", "backward_chunk_not_reversed")
 
 
 def _breadth_first(k: int, n: int, v: int) -> tuple[int, int]:
@@ -187,7 +187,7 @@ def _depth_first(k: int, n: int, v: int) -> tuple[int, int]:
 
 
 def interleaved_one_f_one_b_step(model: str, cfg: Config, axis: str, microbatches: int,
-                                 bug: str | None = None,
+                                 bug: str | None = None, indexed: bool = False,
                                  par: Parallel = SEQUENTIAL) -> Callable:
   """``(tokens, labels, *params) -> (loss, grads)`` per device under the
   interleaved 1F1B schedule (Narayanan et al. 2021, Megatron-LM): the layers
@@ -203,8 +203,14 @@ def interleaved_one_f_one_b_step(model: str, cfg: Config, axis: str, microbatche
   warm-up (``2(n - 1 - s) + (v - 1) n`` forwards before the first backward),
   steady 1F1B and cool-down.  Which microbatch and chunk a stage runs depends
   on the stage, so its input, its saved input and its chunk's weights are
-  each picked by a select per stage.  Seeded bugs: ``INTERLEAVED_BUGS``."""
+  each picked by a select per stage; ``indexed``: the saved inputs in a buffer
+  with a row per unit and the chunk's weights read at a row, both rows
+  computed from the stage (``k = t - stage``, ``(k // n) % v``, ...), as a
+  program indexing by ``axis_index`` is written.  Seeded bugs:
+  ``INTERLEAVED_BUGS``."""
   assert bug is None or bug in INTERLEAVED_BUGS, bug
+  assert indexed or bug != "backward_chunk_not_reversed", bug
+  assert not (indexed and bug == "chunk_of_step"), bug
   assert cfg.stacked_params and cfg.virtual_stages > 1, cfg
   names = [n for n, _ in param_specs(model, cfg)]
   v, m_count = cfg.virtual_stages, microbatches
@@ -247,10 +253,21 @@ def interleaved_one_f_one_b_step(model: str, cfg: Config, axis: str, microbatche
     def on(stages):
       return functools.reduce(jnp.logical_or, [stage == s for s in stages])
 
+    def chunk_at(c):
+      """The chunk's weights at a row computed from the stage."""
+      return {k: lax.dynamic_index_in_dim(w, c, 0, keepdims=False) for k, w in stack.items()}
+
+    def backward_of(j):
+      """(chunk, forward unit) of the traced backward unit j."""
+      group, within = j // (n * v), j % (n * v)
+      c = within // n if bug == "backward_chunk_not_reversed" else v - 1 - within // n
+      return c, group * n * v + c * n + within % n
+
     h0, embed_vjp = jax.vjp(lambda rest: parts.embed(tokens, rest), rest)
     # What the ring brought (nothing, at first): varying over the stages.
     forward = backward = lax.pcast(jnp.zeros_like(rows(h0, 0)), axis, to="varying")
     saved = []                       # the input of each step's forward
+    stash = jnp.zeros((units,) + forward.shape, forward.dtype)  # (indexed) by unit
     loss = np.float32(0.0)
     d_rest, d_chunks, d_h0 = _zeros(rest), [_zeros(chunk(0)) for _ in range(v)], {}
     d_y_head = {}                    # the loss's cotangent at each microbatch's output
@@ -263,9 +280,16 @@ def interleaved_one_f_one_b_step(model: str, cfg: Config, axis: str, microbatche
         x = (jnp.where(stage == 0, rows(h0, first[0]), forward)
              if first is not None and first[1] == 0 else forward)
         saved.append(x)
-        chunks = ([u and forward_order(t, n, v)[1] for u in ahead] if bug == "chunk_of_step"
-                  else [u and u[1] for u in ahead])
-        y = layers(per_stage([u and chunk(c) for u, c in zip(ahead, chunks)], chunk(0)), x)
+        if indexed:
+          k = t - stage
+          stash = jnp.where((k >= 0) & (k < units),
+                            lax.dynamic_update_index_in_dim(stash, x, k, 0), stash)
+          weights = chunk_at(forward_order(k, n, v)[1])
+        else:
+          chunks = ([u and forward_order(t, n, v)[1] for u in ahead] if bug == "chunk_of_step"
+                    else [u and u[1] for u in ahead])
+          weights = per_stage([u and chunk(c) for u, c in zip(ahead, chunks)], chunk(0))
+        y = layers(weights, x)
         forward = lax.ppermute(y, axis, _ring(n, 1))
       else:
         saved.append(None)
@@ -283,16 +307,25 @@ def interleaved_one_f_one_b_step(model: str, cfg: Config, axis: str, microbatche
         d_y = jnp.where(on_last, d_y_head[last[0]], backward)
       else:
         d_y = backward
-      x_saved = per_stage([u and saved[forward_step[u] + s] for s, u in enumerate(behind)],
-                          d_y)
-      _, stage_vjp = jax.vjp(layers, per_stage([u and chunk(u[1]) for u in behind], chunk(0)),
-                             x_saved)
+      if indexed:
+        j = t - first_backward - (n - 1) + stage
+        c_back, k_back = backward_of(j)
+        x_saved = lax.dynamic_index_in_dim(stash, k_back, 0, keepdims=False)
+        weights = chunk_at(c_back)
+        running = [(j >= 0) & (j < units) & (c_back == c) for c in range(v)]
+      else:
+        x_saved = per_stage([u and saved[forward_step[u] + s] for s, u in enumerate(behind)],
+                            d_y)
+        weights = per_stage([u and chunk(u[1]) for u in behind], chunk(0))
+        running = [[s for s, u in enumerate(behind) if u is not None and u[1] == c]
+                   for c in range(v)]
+        running = [on(stages) if stages else None for stages in running]
+      _, stage_vjp = jax.vjp(layers, weights, x_saved)
       d_weights, d_x = stage_vjp(d_y)
       for c in range(v):
-        running = [s for s, u in enumerate(behind) if u is not None and u[1] == c]
-        if running:
+        if running[c] is not None:
           d_chunks[c] = jax.tree.map(jnp.add, d_chunks[c],
-                                     _where(on(running), d_weights, _zeros(d_weights)))
+                                     _where(running[c], d_weights, _zeros(d_weights)))
       if behind[0] is not None and behind[0][1] == 0:
         d_h0[behind[0][0]] = d_x     # stage 0's chunk 0: the embedding's cotangent
       backward = lax.ppermute(d_x, axis, _ring(n, -1))

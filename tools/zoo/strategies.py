@@ -1038,18 +1038,21 @@ def _one_f_one_b_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
           par=par or (_tp_par() if tp else SEQUENTIAL)))
 
 
-def _interleaved_case(model, cfg, variant="ok", bug=None, bug_primitive=None) -> Case:
+def _interleaved_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
+                      indexed=False) -> Case:
   """A training step under the interleaved 1F1B schedule
   (``one_f_one_b.interleaved_one_f_one_b_step``): GPipe's 8 layers on 4
   stages as 2 virtual stages (chunks) of one layer each, the stacks held as
-  ``[2, 4, ...]`` with their second dim split over "pp"."""
-  strategy = dataclasses.replace(GPIPE, name="pp_interleaved_1f1b", cfg_overrides=tuple(
+  ``[2, 4, ...]`` with their second dim split over "pp".  ``indexed``: saved
+  inputs and chunk weights read at rows computed from the stage."""
+  name = "pp_interleaved_1f1b" + ("_indexed" if indexed else "")
+  strategy = dataclasses.replace(GPIPE, name=name, cfg_overrides=tuple(
       dict(GPIPE.cfg_overrides, virtual_stages=2).items()))
   schedule_bug = variant if variant in one_f_one_b.INTERLEAVED_BUGS else None
   return _schedule_case(
       model, strategy, cfg, variant, bug, bug_primitive,
       lambda cfg: one_f_one_b.interleaved_one_f_one_b_step(model, cfg, "pp", 4,
-                                                           bug=schedule_bug))
+                                                           bug=schedule_bug, indexed=indexed))
 
 
 def _schedule_case(model, strategy, cfg, variant, bug, bug_primitive, make_step) -> Case:
@@ -1226,11 +1229,20 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     # microbatch 3 through layer 5's weights: its backward recomputes layer 1
     # right, up to the output projection, which it has no need to recompute:
     # reported there).
+    # Indexed: the saved inputs in a buffer by unit and the chunk's weights
+    # read at rows computed from the stage with floor division and remainder
+    # (rank_cases.py).  Bug: the backward's chunk not reversed (Megatron's
+    # get_model_chunk_id without forward=False): the last stage never applies
+    # the head's cotangent to the last layer, reported at that layer's first
+    # weight-gradient matmul.
     for model in MODELS:
       built.append(_interleaved_case(model, cfg))
+      built.append(_interleaved_case(model, cfg, indexed=True))
     built.append(_interleaved_case("gpt2", cfg, "depth_first", "microbatch_skipped", "reduce"))
     built.append(_interleaved_case("gpt2", cfg, "chunk_of_step", "wrong_model_chunk",
                                    "dot_general"))
+    built.append(_interleaved_case("gpt2", cfg, "backward_chunk_not_reversed",
+                                   "wrong_model_chunk", "dot_general", indexed=True))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
   # attention's partial sums reduced over ("pp", "tp") add another stage's
   # microbatch: reported at the residual add, in the all-reduce's words.
