@@ -237,17 +237,8 @@ def _pin_words(inf, op: ir.Op) -> Optional[str]:
   """Operands that are the sequential values only at ranks that never meet:
   one pipeline stage holds one, another stage the other (a microbatched
   operand: wherever its pieces are held)."""
-  seen: dict[str, list[tuple[ir.Value, set[int]]]] = {}
-  classes: set[int] = set()
-  for v in op.operands:
-    split = inf.pieces.splits.get(v.id)
-    rels = [r for t in ((v,) + (split.terms if split else ())) for r in inf.relations.get(t.id, ())]
-    classes |= {r.cls for r in rels}
-    for axis in {a for r in rels for a, _ in r.layout.at}:
-      # (a value pinned with zeros elsewhere is also a partial sum over the axis)
-      coords = {dict(r.layout.at).get(axis) for r in rels if axis not in r.layout.partial}
-      if None not in coords:  # every other relation of v pins this axis
-        seen.setdefault(axis, []).append((v, coords))
+  seen = _pinned_operands(inf, op)
+  classes = set().union(*(_related_classes(inf, v) for v in op.operands))
   for axis, found in seen.items():
     for (v1, c1), (v2, c2) in zip(found, found[1:]):
       if c1 & c2:
@@ -264,6 +255,59 @@ def _pin_words(inf, op: ir.Op) -> Optional[str]:
       where = lambda cs: ", ".join(f"{axis}={c}" for c in sorted(cs))
       return (f"operand %{v1.id} is the sequential value only at {where(c1)} and "
               f"%{v2.id} only at {where(c2)}: no rank holds both{hint}")
+  return None
+
+
+def _relations(inf, v: ir.Value) -> list:
+  """``v``'s relations, and its pieces' if the program cut it."""
+  split = inf.pieces.splits.get(v.id)
+  return [r for t in ((v,) + (split.terms if split else ())) for r in inf.relations.get(t.id, ())]
+
+
+def _related_classes(inf, v: ir.Value) -> set[int]:
+  return {r.cls for r in _relations(inf, v)}
+
+
+def _pinned_operands(inf, op: ir.Op) -> dict[str, list[tuple[ir.Value, set[int]]]]:
+  """Per mesh axis, the operands every relation of which pins that axis, and
+  the coordinates they are held at."""
+  seen: dict[str, list[tuple[ir.Value, set[int]]]] = {}
+  for v in op.operands:
+    rels = _relations(inf, v)
+    for axis in {a for r in rels for a, _ in r.layout.at}:
+      # (a value pinned with zeros elsewhere is also a partial sum over the axis)
+      coords = {dict(r.layout.at).get(axis) for r in rels if axis not in r.layout.partial}
+      if None not in coords:  # every other relation of v pins this axis
+        seen.setdefault(axis, []).append((v, coords))
+  return seen
+
+
+def _held_apart_words(inf, op: ir.Op) -> Optional[str]:
+  """Operands all held at one stage that no per-device op reads together:
+  the stage computed this op, if at all, on other values (a schedule running
+  another layer or microbatch at that step).  Said only when nothing more
+  specific is."""
+  operands = list(dict.fromkeys(op.operands))
+  if len(operands) < 2:
+    return None
+  for axis, found in _pinned_operands(inf, op).items():
+    if len(found) != len(op.operands):
+      continue
+    common = set.intersection(*(c for _, c in found))
+    if not common:
+      continue
+    related = [_related_classes(inf, v) for v in operands]
+    for cls in related[0]:
+      for user in inf.users.get(cls, ()):
+        read = {inf.deg.of(x) for x in user.operands}
+        if all(read & classes for classes in related):
+          return None  # read together somewhere: not this
+    where = ", ".join(f"{axis}={c}" for c in sorted(common))
+    names = ", ".join(f"%{v.id}" for v in operands)
+    return (f"operands {names} are each the sequential value at {where}, but no "
+            f"per-device op reads them together: the program computes this {op.name} "
+            f"there on other values, if at all (a stage running another layer's or "
+            f"another microbatch's step?)")
   return None
 
 
@@ -422,7 +466,7 @@ def diagnose_op(inf, op: ir.Op):
   if counterpart and not any(counterpart in p for p in problems):
     problems.append(counterpart)
   if not problems:
-    problems.append(_mismatch_words(inf, op) or
+    problems.append(_held_apart_words(inf, op) or _mismatch_words(inf, op) or
                     f"no op of the per-device program computes this {op.name} from values "
                     "related to its operands (no lemma gives a clean expression)")
   seq_ctx, dist_ctx = _context(inf, op)

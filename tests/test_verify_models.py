@@ -89,8 +89,7 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/pp_interleaved_1f1b_grad/shard_map/depth_first":
         "on pieces 2, 3 of the 4 its operand is cut into along dim 0, but never on pieces 0, 1",
     "gpt2/pp_interleaved_1f1b_indexed_grad/shard_map/backward_chunk_not_reversed":
-        "no op of the per-device program computes this dot_general from values related to "
-        "its operands",
+        "are each the sequential value at pp=3, but no per-device op reads them together",
     "gpt2/pp_interleaved_1f1b_grad/shard_map/chunk_of_step":
         "computes this dot_general at pp=1 on pieces 0, 1, 2 of the 4 its operand is cut into "
         "along dim 0, but never on piece 3",
