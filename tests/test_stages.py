@@ -114,4 +114,3 @@ def test_terms_masked_on_no_stage_are_folded():
   assert outputs_agree(_stacked_seq, dist, w)
   result = verify(_stacked_seq, dist, w)
   assert result.refines, result
-
