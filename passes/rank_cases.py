@@ -180,12 +180,14 @@ class RankCases:
       return place(fresh(module, "dynamic_update_slice", [x, op.operands[1], *consts], {},
                          out_type.shape, out_type.dtype, loc))
 
-    coordinate = self._coordinate(module, fresh, place, axis, loc)
     by_value: dict[int, list[int]] = {}
     for c, value in enumerate(values):
       by_value.setdefault(value, []).append(c)
     order = sorted(by_value)
     result = case(order[-1])  # the default: every other case's ranks excluded
+    if len(order) == 1:
+      return result  # one row on every rank: no coordinate to compare
+    coordinate = self._coordinate(module, fresh, place, axis, loc)
     for value in reversed(order[:-1]):
       holds = None
       for c in by_value[value]:
