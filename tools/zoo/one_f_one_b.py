@@ -51,6 +51,16 @@ def _zeros(tree):
   return jax.tree.map(jnp.zeros_like, tree)
 
 
+def _per_stage(stage, values, like):
+  """What each stage computes with: ``values[s]`` at stage s, zeros where a
+  stage has nothing to do (``values[s]`` None), one select per stage."""
+  picked = _zeros(like)
+  for s, value in enumerate(values):
+    if value is not None:
+      picked = _where(stage == s, value, picked)
+  return picked
+
+
 def _ring(n: int, shift: int) -> list[tuple[int, int]]:
   return [(i, (i + shift) % n) for i in range(n)]
 
@@ -140,11 +150,9 @@ def one_f_one_b_step(model: str, cfg: Config, axis: str, microbatches: int,
         if buffered:
           x_saved = lax.dynamic_index_in_dim(stash, b + late, 0, keepdims=False)
         else:
-          x_saved = jnp.zeros_like(d_y)
-          for s in range(n):
-            k = t - 2 * (n - 1 - s) + late
-            if 0 <= k < len(saved):
-              x_saved = jnp.where(stage == s, saved[k], x_saved)
+          ks = [t - 2 * (n - 1 - s) + late for s in range(n)]
+          x_saved = _per_stage(stage, [saved[k] if 0 <= k < len(saved) else None for k in ks],
+                               d_y)
         _, stage_vjp = jax.vjp(layers, stack, x_saved)
         d_stack_t, d_x = stage_vjp(d_y)
         running = (b >= 0) & (b < m_count)
@@ -241,15 +249,6 @@ def interleaved_one_f_one_b_step(model: str, cfg: Config, axis: str, microbatche
     def chunk(c):
       return {k: w[c] for k, w in stack.items()}
 
-    def per_stage(values, like):
-      """What each stage computes with: ``values[s]`` at stage s, zeros
-      where a stage has nothing to do."""
-      picked = _zeros(like)
-      for s, value in enumerate(values):
-        if value is not None:
-          picked = _where(stage == s, value, picked)
-      return picked
-
     def on(stages):
       return functools.reduce(jnp.logical_or, [stage == s for s in stages])
 
@@ -288,7 +287,7 @@ def interleaved_one_f_one_b_step(model: str, cfg: Config, axis: str, microbatche
         else:
           chunks = ([u and forward_order(t, n, v)[1] for u in ahead] if bug == "chunk_of_step"
                     else [u and u[1] for u in ahead])
-          weights = per_stage([u and chunk(c) for u, c in zip(ahead, chunks)], chunk(0))
+          weights = _per_stage(stage, [u and chunk(c) for u, c in zip(ahead, chunks)], chunk(0))
         y = layers(weights, x)
         forward = lax.ppermute(y, axis, _ring(n, 1))
       else:
@@ -314,9 +313,9 @@ def interleaved_one_f_one_b_step(model: str, cfg: Config, axis: str, microbatche
         weights = chunk_at(c_back)
         running = [(j >= 0) & (j < units) & (c_back == c) for c in range(v)]
       else:
-        x_saved = per_stage([u and saved[forward_step[u] + s] for s, u in enumerate(behind)],
-                            d_y)
-        weights = per_stage([u and chunk(u[1]) for u in behind], chunk(0))
+        x_saved = _per_stage(
+            stage, [u and saved[forward_step[u] + s] for s, u in enumerate(behind)], d_y)
+        weights = _per_stage(stage, [u and chunk(u[1]) for u in behind], chunk(0))
         running = [[s for s, u in enumerate(behind) if u is not None and u[1] == c]
                    for c in range(v)]
         running = [on(stages) if stages else None for stages in running]
