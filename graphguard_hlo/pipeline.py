@@ -30,7 +30,7 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
   # (canonicalize.RING_PATTERNS) for this program, and for the sequential one.
   program.rings = ring_axes(program.graph, program.mesh)
   # And buffers read and written at rows that depend on a rank (rank_cases.py).
-  cases = rank_case_patterns(program.graph, program.mesh)
+  cases = rank_case_patterns(program.graph, program.mesh, program.param_layouts)
   if program.rings or cases:
     canonicalize_graph(dist, program.graph, rings=bool(program.rings), extra=cases)
   return program

@@ -22,23 +22,27 @@ is not a tile offset (``((r + j) mod n) * size`` is a layout: ``transfer.py``
 reads it flat in the number of ranks, as rings and gathers written by hand
 write), unless the write is kept only where a rank predicate says or goes
 into a buffer some ranks wrote (a schedule's, whose rows may look like a
-tile offset on two stages); a read of a buffer some ranks wrote (a select on
-a rank predicate within a few ops).  The cases grow with the axis' size,
-which is a pipeline's stage count.  A row, or a select's predicate, that every
-partition computes alike is that one value: the op at a constant row, the
-select's branch.
+tile offset on two stages); a read at a row that is not a tile offset, or of
+a buffer some ranks wrote (a select on a rank predicate within a few ops), or
+of a parameter already split over the row's axis (an interleaved schedule's
+chunk of a stack split over the stages by layer: on two stages its row looks
+like a tile offset, but no layout tiles a second dim by that axis).  The
+cases grow with the axis' size, which is a pipeline's stage count.  A row, or
+a select's predicate, that every partition computes alike is that one value:
+the op at a constant row, the select's branch.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes import slabs
+from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import broadcast_scalar, partition_id_table, per_coordinate
 from graphguard_hlo.passes.terms import splat_value
 
@@ -50,9 +54,16 @@ _BUFFER_OPS = frozenset({"select", "dynamic_update_slice", "concatenate", "pad",
 class RankCases:
   """The per-device program's rank-indexed buffer ops and their cases."""
 
-  def __init__(self, mesh: ir.Mesh, graph: ir.Graph):
+  def __init__(self, mesh: ir.Mesh, graph: ir.Graph,
+               param_layouts: Sequence[Optional[Layout]] = ()):
     self.mesh = mesh
     self._memo: dict = {}
+    # The mesh axes each parameter is already split over: a slice at a tile
+    # offset of such an axis is no layout (transfer.py tiles a dim by an axis
+    # the value does not use yet), so it is split into cases.
+    self.param_axes: dict[int, set[str]] = {
+        p.id: l.used_axes() | l.pinned_axes()
+        for p, l in zip(graph.params, param_layouts) if p is not None and l is not None}
     self.partition_id = next((op.results[0] for op in graph.walk()
                               if op.name == "partition_id"), None)
     # The selects reading each value (of the program as it was before this pass).
@@ -155,7 +166,7 @@ class RankCases:
         and not self._guarded(op) and not self._reads_a_staged_buffer(x):
       return None
     if op.name == "dynamic_slice" and self._tile_offset(values, sizes[k]) \
-        and not self._reads_a_staged_buffer(x):
+        and not self._reads_a_staged_buffer(x) and axis not in self.param_axes.get(x.id, ()):
       return None
     return first, sizes, k, index, axis, values
 
@@ -219,16 +230,18 @@ def _constant(module, fresh, place, value: int, dtype: str, location) -> ir.Valu
                      location))
 
 
-def rank_case_patterns(graph: ir.Graph, mesh: ir.Mesh) -> tuple:
+def rank_case_patterns(graph: ir.Graph, mesh: ir.Mesh,
+                       param_layouts: Sequence[Optional[Layout]] = ()) -> tuple:
   """The pattern splitting ``graph``'s rank-indexed buffer ops into cases, or
-  () if no op could be (most programs: nothing to pay)."""
+  () if no op could be (most programs: nothing to pay).  ``param_layouts``:
+  how the parameters are split (``DistProgram.param_layouts``)."""
   if mesh.device_ids is not None and tuple(mesh.device_ids) != tuple(range(mesh.size)):
     return ()  # (rank arithmetic reads partition ids in iota order only)
   ops = [op for op in graph.walk()
          if op.name in ("dynamic_update_slice", "dynamic_slice", "select")]
   if not ops:
     return ()
-  cases = RankCases(mesh, graph)
+  cases = RankCases(mesh, graph, param_layouts)
   if not any(cases.plan(op) or cases.uniform_select(op) for op in ops):
     return ()  # (GSPMD's slices at tile offsets: no second canonicalization to pay for)
   return (functools.partial(_split, cases),)

@@ -167,3 +167,51 @@ def test_a_weight_read_at_the_other_chunks_row_is_not_proved(keep_at):
   dist = _chunk_read(6, keep_at)
   assert not outputs_agree(seq, dist, CHUNKS)
   assert not verify(seq, dist, CHUNKS).refines
+
+
+# On two stages a chunk's row computed from the stage can be a tile offset
+# (``r`` or ``(r + 1) mod 2``); the stack is already split over "pp" by its
+# stages' dim, so no layout tiles the chunks' dim by "pp" too: cases.
+TWO_STAGES = mesh_of((2,), ("pp",))
+TWO_CHUNKS = jnp.zeros((2, 2, 8))
+
+
+def _chunk_read_on_two_stages(row, keep_at: int):
+  def local(w):
+    stage = lax.axis_index("pp")
+    picked = lax.dynamic_index_in_dim(w, row(stage), 0, keepdims=False)[0]
+    return lax.psum(jnp.where(stage == keep_at, jnp.tanh(picked) * 3, 0.0), "pp")
+  return shard_map(local, mesh=TWO_STAGES, in_specs=P(None, "pp"), out_specs=P())
+
+
+@pytest.mark.parametrize("keep_at", range(2))
+@pytest.mark.parametrize("row", [lambda s: s, lambda s: (s + 1) % 2, lambda s: (1 - s) // 1],
+                         ids=["r", "r+1_mod_2", "1-r"])
+def test_a_weight_read_at_a_tile_offset_of_its_own_axis_is_split(row, keep_at):
+  seq = lambda w: jnp.tanh(w[row(keep_at), keep_at]) * 3
+  dist = _chunk_read_on_two_stages(row, keep_at)
+  assert outputs_agree(seq, dist, TWO_CHUNKS)
+  result, check = verify_and_check(lower_sequential(seq, TWO_CHUNKS), lower_distributed(
+      dist, *_abstract_args((TWO_CHUNKS,), TWO_STAGES, (P(None, "pp"),))))
+  assert result.refines and check.ok, (result, check)
+
+
+@pytest.mark.parametrize("keep_at", range(2))
+def test_a_weight_read_at_the_other_chunk_on_two_stages_is_not_proved(keep_at):
+  seq = lambda w: jnp.tanh(w[1 - keep_at, keep_at]) * 3
+  dist = _chunk_read_on_two_stages(lambda s: s, keep_at)
+  assert not outputs_agree(seq, dist, TWO_CHUNKS)
+  assert not verify(seq, dist, TWO_CHUNKS).refines
+
+
+def test_a_replicated_weight_read_at_a_tile_offset_stays_a_layout():
+  """Each rank's rows of a replicated parameter, at ``r * size``: a layout
+  (flat in the number of ranks), not cases."""
+  def local(w):
+    return lax.dynamic_slice_in_dim(w, lax.axis_index("pp") * 2, 2, 0) * 3
+  dist = shard_map(local, mesh=MESH, in_specs=P(), out_specs=P("pp"))
+  w = jnp.zeros((8, 8))
+  program = prepare_dist(lower_distributed(dist, *_abstract_args((w,), MESH, (P(),))))
+  assert any(op.name == "dynamic_slice" for op in program.graph.walk())
+  assert not any(op.name == "select" for op in program.graph.walk())
+  assert verify(lambda w: w * 3, dist, w, mesh=MESH, in_specs=(P(),)).refines
