@@ -93,6 +93,8 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/pp_interleaved_1f1b_grad/shard_map/chunk_of_step":
         "computes this dot_general at pp=1 on pieces 0, 1, 2 of the 4 its operand is cut into "
         "along dim 0, but never on piece 3",
+    "gpt2/pp_tp_interleaved_1f1b_indexed_grad/shard_map/wrong_replica_groups":
+        "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
     "gpt2/pp_tp_gpipe/shard_map/wrong_replica_groups": "reduces over 'pp', 'tp' but the partial "
                                                        "sum is over 'tp' (wrong replica groups",
     "llama3/pp_gpipe_grad/shard_map/double_counted_grad": "4 times its share",

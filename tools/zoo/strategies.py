@@ -1039,20 +1039,24 @@ def _one_f_one_b_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
 
 
 def _interleaved_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
-                      indexed=False) -> Case:
+                      indexed=False, tp=False, par=None) -> Case:
   """A training step under the interleaved 1F1B schedule
   (``one_f_one_b.interleaved_one_f_one_b_step``): GPipe's 8 layers on 4
   stages as 2 virtual stages (chunks) of one layer each, the stacks held as
-  ``[2, 4, ...]`` with their second dim split over "pp".  ``indexed``: saved
-  inputs and chunk weights read at rows computed from the stage."""
-  name = "pp_interleaved_1f1b" + ("_indexed" if indexed else "")
-  strategy = dataclasses.replace(GPIPE, name=name, cfg_overrides=tuple(
-      dict(GPIPE.cfg_overrides, virtual_stages=2).items()))
+  ``[2, 4, ...]`` with their second dim split over "pp" (``tp``: PP_TP_GPIPE's
+  4 layers on 2 stages, 2 chunks of one layer each, Megatron TP inside each
+  stage).  ``indexed``: saved inputs and chunk weights read at rows computed
+  from the stage.  ``par``: the stages' hooks, if not the strategy's."""
+  base = PP_TP_GPIPE if tp else GPIPE
+  name = ("pp_tp" if tp else "pp") + "_interleaved_1f1b" + ("_indexed" if indexed else "")
+  strategy = dataclasses.replace(base, name=name, cfg_overrides=tuple(
+      dict(base.cfg_overrides, virtual_stages=2).items()))
   schedule_bug = variant if variant in one_f_one_b.INTERLEAVED_BUGS else None
   return _schedule_case(
       model, strategy, cfg, variant, bug, bug_primitive,
-      lambda cfg: one_f_one_b.interleaved_one_f_one_b_step(model, cfg, "pp", 4,
-                                                           bug=schedule_bug, indexed=indexed))
+      lambda cfg: one_f_one_b.interleaved_one_f_one_b_step(
+          model, cfg, "pp", 4, bug=schedule_bug, indexed=indexed,
+          par=par or (_tp_par() if tp else SEQUENTIAL)))
 
 
 def _schedule_case(model, strategy, cfg, variant, bug, bug_primitive, make_step) -> Case:
@@ -1243,6 +1247,17 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                    "dot_general"))
     built.append(_interleaved_case("gpt2", cfg, "backward_chunk_not_reversed",
                                    "wrong_model_chunk", "dot_general", indexed=True))
+    # ... with Megatron TP inside each of 2 stages (2 x 4: 2 chunks of one
+    # layer per stage), both ways of picking.  On two stages the indexed
+    # chunk rows look like tile offsets of "pp", which the stack is already
+    # split over: still cases (rank_cases.py).  Bug: the attention's partial
+    # sums reduced over ("pp", "tp"), adding the other stage's unit.
+    for model in MODELS:
+      built.append(_interleaved_case(model, cfg, tp=True))
+      built.append(_interleaved_case(model, cfg, tp=True, indexed=True))
+    built.append(_interleaved_case("gpt2", cfg, "wrong_replica_groups", "wrong_replica_groups",
+                                   "add", tp=True, indexed=True,
+                                   par=_tp_par(lambda axis: _psum(("pp", axis)))))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
   # attention's partial sums reduced over ("pp", "tp") add another stage's
   # microbatch: reported at the residual add, in the all-reduce's words.
