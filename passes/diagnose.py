@@ -31,14 +31,18 @@ def _axes(axes) -> str:
 
 
 def _scale_words(scale: float, mesh: ir.Mesh) -> str:
+  """The wrong factor, and the mesh axes whose size it is: all of them when
+  several have that size (a layout's scale does not say which collective
+  made it)."""
   inv = 1.0 / scale
-  sizes = {n: s for n, s in mesh.axes if s > 1}
   hint = ""
-  for name, n in sizes.items():
-    if scales_equal(scale, float(n)):
-      hint = f" (divided by {n} = |{name}| once too often: pmean where psum belongs?)"
-    elif scales_equal(inv, float(n)):
-      hint = f" (summed over {n} = |{name}| ranks without dividing: psum where pmean belongs?)"
+  for factor, words in ((scale, "divided by {n} = {axes} once too often: pmean where psum "
+                                "belongs?"),
+                        (inv, "summed over {n} = {axes} ranks without dividing: psum where "
+                              "pmean belongs?")):
+    named = [f"|{a}|" for a, n in mesh.axes if n > 1 and scales_equal(factor, float(n))]
+    if named:
+      hint = " (" + words.format(n=round(factor), axes=" or ".join(named)) + ")"
   return f"the distributed value is {inv:g} times the sequential one{hint}"
 
 
