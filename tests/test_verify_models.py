@@ -95,6 +95,8 @@ _DIAGNOSES: dict[str, str] = {
         "along dim 0, but never on piece 3",
     "gpt2/pp_tp_interleaved_1f1b_indexed_grad/shard_map/wrong_replica_groups":
         "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
+    "gpt2/dp_pp_tp_interleaved_1f1b_indexed_grad/shard_map/loss_summed_over_dp":
+        "2 times the sequential one (summed over 2 = |dp| or |pp| or |tp| ranks without dividing",
     "gpt2/pp_tp_gpipe/shard_map/wrong_replica_groups": "reduces over 'pp', 'tp' but the partial "
                                                        "sum is over 'tp' (wrong replica groups",
     "llama3/pp_gpipe_grad/shard_map/double_counted_grad": "4 times its share",

@@ -1022,41 +1022,52 @@ def _accumulated(value_and_grad, microbatches: int, divide: bool = True):
   return step
 
 
+# The meshes hand-written schedules run on: their strategy (mesh, specs, sizes)
+# and the hooks inside each stage.  "pp": GPipe's 4 stages; "pp_tp": 2 stages
+# with Megatron TP inside (PP_TP_GPIPE's); "dp_pp_tp": those on each half of
+# the batch (2 x 2 x 2, 4 microbatches per dp rank), the loss averaged over dp.
+def _schedule_mesh(mesh: str) -> tuple[_Strategy, Callable[[], Parallel]]:
+  if mesh == "pp":
+    return GPIPE, lambda: SEQUENTIAL
+  if mesh == "pp_tp":
+    return PP_TP_GPIPE, _tp_par
+  assert mesh == "dp_pp_tp", mesh
+  return _with_batch(DP_PP_TP, 8), _dp_tp_par
+
+
 def _one_f_one_b_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
-                      buffered=False, tp=False, par=None) -> Case:
-  """A training step under the 1F1B schedule (``one_f_one_b.py``) on GPipe's
-  stages (``tp``: PP_TP_GPIPE's, Megatron TP inside each of 2 stages).
-  ``par``: the stages' hooks, if not the strategy's (a seeded bug inside the
-  stages)."""
-  base = PP_TP_GPIPE if tp else GPIPE
-  name = ("pp_tp_1f1b" if tp else "pp_1f1b") + ("_buffered" if buffered else "")
+                      buffered=False, mesh="pp", par=None) -> Case:
+  """A training step under the 1F1B schedule (``one_f_one_b.py``) on the
+  stages of ``_schedule_mesh(mesh)``.  ``par``: the stages' hooks, if not the
+  mesh's (a seeded bug inside the stages)."""
+  base, base_par = _schedule_mesh(mesh)
+  name = f"{mesh}_1f1b" + ("_buffered" if buffered else "")
   schedule_bug = variant if variant in one_f_one_b.BUGS else None
   return _schedule_case(
       model, dataclasses.replace(base, name=name), cfg, variant, bug, bug_primitive,
       lambda cfg: one_f_one_b.one_f_one_b_step(
-          model, cfg, "pp", 4, bug=schedule_bug, buffered=buffered,
-          par=par or (_tp_par() if tp else SEQUENTIAL)))
+          model, cfg, "pp", 4, bug=schedule_bug, buffered=buffered, par=par or base_par()))
 
 
 def _interleaved_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
-                      indexed=False, tp=False, par=None) -> Case:
+                      indexed=False, mesh="pp", par=None) -> Case:
   """A training step under the interleaved 1F1B schedule
-  (``one_f_one_b.interleaved_one_f_one_b_step``): GPipe's 8 layers on 4
-  stages as 2 virtual stages (chunks) of one layer each, the stacks held as
-  ``[2, 4, ...]`` with their second dim split over "pp" (``tp``: PP_TP_GPIPE's
-  4 layers on 2 stages, 2 chunks of one layer each, Megatron TP inside each
-  stage).  ``indexed``: saved inputs and chunk weights read at rows computed
-  from the stage.  ``par``: the stages' hooks, if not the strategy's."""
-  base = PP_TP_GPIPE if tp else GPIPE
-  name = ("pp_tp" if tp else "pp") + "_interleaved_1f1b" + ("_indexed" if indexed else "")
+  (``one_f_one_b.interleaved_one_f_one_b_step``) on the stages of
+  ``_schedule_mesh(mesh)``, the layers as 2 virtual stages (chunks) of one
+  layer per stage: GPipe's 8 layers on 4 stages, the stacks held as
+  ``[2, 4, ...]`` with their second dim split over "pp" (on 2 stages, 4
+  layers as ``[2, 2, ...]``).  ``indexed``: saved inputs and chunk weights
+  read at rows computed from the stage.  ``par``: the stages' hooks, if not
+  the mesh's."""
+  base, base_par = _schedule_mesh(mesh)
+  name = f"{mesh}_interleaved_1f1b" + ("_indexed" if indexed else "")
   strategy = dataclasses.replace(base, name=name, cfg_overrides=tuple(
       dict(base.cfg_overrides, virtual_stages=2).items()))
   schedule_bug = variant if variant in one_f_one_b.INTERLEAVED_BUGS else None
   return _schedule_case(
       model, strategy, cfg, variant, bug, bug_primitive,
       lambda cfg: one_f_one_b.interleaved_one_f_one_b_step(
-          model, cfg, "pp", 4, bug=schedule_bug, indexed=indexed,
-          par=par or (_tp_par() if tp else SEQUENTIAL)))
+          model, cfg, "pp", 4, bug=schedule_bug, indexed=indexed, par=par or base_par()))
 
 
 def _schedule_case(model, strategy, cfg, variant, bug, bug_primitive, make_step) -> Case:
@@ -1220,10 +1231,10 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_one_f_one_b_case(model, cfg, "stale_input", "stale_activation", "divide",
                                      buffered=True))
       # ... with Megatron TP inside each of 2 stages (2 x 4), both ways of saving.
-      built.append(_one_f_one_b_case(model, cfg, tp=True))
-      built.append(_one_f_one_b_case(model, cfg, tp=True, buffered=True))
+      built.append(_one_f_one_b_case(model, cfg, mesh="pp_tp"))
+      built.append(_one_f_one_b_case(model, cfg, mesh="pp_tp", buffered=True))
     built.append(_one_f_one_b_case("gpt2", cfg, "wrong_replica_groups", "wrong_replica_groups",
-                                   "add", tp=True,
+                                   "add", mesh="pp_tp",
                                    par=_tp_par(lambda axis: _psum(("pp", axis)))))
     # Interleaved 1F1B: 2 virtual stages (chunks) of one layer on each of 4
     # stages.  Bugs: the units taken depth first (chunk 1 of a microbatch
@@ -1253,11 +1264,20 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     # split over: still cases (rank_cases.py).  Bug: the attention's partial
     # sums reduced over ("pp", "tp"), adding the other stage's unit.
     for model in MODELS:
-      built.append(_interleaved_case(model, cfg, tp=True))
-      built.append(_interleaved_case(model, cfg, tp=True, indexed=True))
+      built.append(_interleaved_case(model, cfg, mesh="pp_tp"))
+      built.append(_interleaved_case(model, cfg, mesh="pp_tp", indexed=True))
     built.append(_interleaved_case("gpt2", cfg, "wrong_replica_groups", "wrong_replica_groups",
-                                   "add", tp=True, indexed=True,
+                                   "add", mesh="pp_tp", indexed=True,
                                    par=_tp_par(lambda axis: _psum(("pp", axis)))))
+    # 3D: those schedules (their buffered and indexed forms) on each half of
+    # the batch, dp x pp x tp.  Bug: each dp rank's loss summed over "dp", not
+    # averaged (psum where pmean belongs).
+    for model in MODELS:
+      built.append(_one_f_one_b_case(model, cfg, mesh="dp_pp_tp", buffered=True))
+      built.append(_interleaved_case(model, cfg, mesh="dp_pp_tp", indexed=True))
+    built.append(_interleaved_case("gpt2", cfg, "loss_summed_over_dp", "loss_wrong_scale",
+                                   "output", mesh="dp_pp_tp", indexed=True,
+                                   par=_tp_par(combine=_psum_of_mean("dp"))))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
   # attention's partial sums reduced over ("pp", "tp") add another stage's
   # microbatch: reported at the residual add, in the all-reduce's words.
