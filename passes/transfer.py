@@ -68,10 +68,10 @@ def _renamed(l: Layout, names: dict[str, str]) -> Layout:
   def rename(a: str) -> str:
     base = axis_base(a)
     return a if base not in names else names[base] + a[len(base):]
-  return Layout(tuple(tuple(rename(a) for a in axes) for axes in l.dims),
-                tuple(rename(a) for a in l.partial), l.partial_kind, l.scale,
-                tuple((rename(a), c) for a, c in l.at), l.filled and (
-                    l.filled[0], rename(l.filled[1]), l.filled[2]))
+  return l.with_(dims=tuple(tuple(rename(a) for a in axes) for axes in l.dims),
+                 partial=tuple(rename(a) for a in l.partial),
+                 at=tuple((rename(a), c) for a, c in l.at),
+                 filled=l.filled and (l.filled[0], rename(l.filled[1]), l.filled[2]))
 
 
 def _flip_if_negative(l: Layout, c: float) -> Layout:
