@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from graphguard_hlo import ir
-from graphguard_hlo.passes.sharding import axes_of_pairs, axis_swap_of_pairs, group_axes
+from graphguard_hlo.passes.sharding import axes_of_pairs, axis_renaming_of_pairs, group_axes
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
 
@@ -48,7 +48,8 @@ def canonicalize_collectives(graph: ir.Graph, mesh: ir.Mesh) -> None:
       op.attrs["gg.axes"] = (found[0],) if found else None
       op.attrs["gg.permutation"] = tuple(sorted(found[1].items())) if found else None
       if not found:
-        op.attrs["gg.swap"] = axis_swap_of_pairs(op.attrs.get("source_target_pairs", ()), mesh)
+        op.attrs["gg.renaming"] = axis_renaming_of_pairs(
+            op.attrs.get("source_target_pairs", ()), mesh)
       continue
     groups = op.attrs.get("replica_groups")
     if not groups or groups == ((),):

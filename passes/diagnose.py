@@ -54,7 +54,7 @@ def _collective_words(inf, cls: int, layout: Layout) -> Optional[str]:
     axes = op.attrs.get("gg.axes")
     name = op.name.replace("_", "-")
     loc = op.location
-    if axes is None and op.attrs.get("gg.swap") is None:
+    if axes is None and op.attrs.get("gg.renaming") is None:
       groups = op.attrs.get("replica_groups") or op.attrs.get("source_target_pairs")
       return (f"{name} at {loc} uses replica groups {groups} that match no mesh axes "
               f"of {dict(inf.mesh.axes)} (wrong replica groups)")

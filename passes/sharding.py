@@ -259,26 +259,35 @@ def group_axes(groups: Sequence[Sequence[int]], mesh: Mesh) -> Optional[tuple[st
   return axes_seen or ()
 
 
-def axis_swap_of_pairs(pairs: Sequence[tuple[int, int]], mesh: Mesh
-                       ) -> Optional[tuple[str, str]]:
-  """(a, b) if the collective-permute sends every rank to the rank with its a
-  and b coordinates swapped (XLA moving a kv head's shards between two axes of
-  a refined mesh: pairs (1, 2), (2, 1) on a 2x2 mesh)."""
+def axis_renaming_of_pairs(pairs: Sequence[tuple[int, int]], mesh: Mesh
+                           ) -> Optional[tuple[tuple[str, str], ...]]:
+  """The renaming ((x, y), ...) if the collective-permute sends every rank to
+  the rank whose y coordinate is the sender's x coordinate, for a permutation
+  of mesh axes of one size, not the identity: rank r then holds what the rank
+  with r's coordinates permuted back held.  XLA moves shards so between the
+  axes of a refined mesh: a kv head's shards between two (pairs (1, 2), (2, 1)
+  on a 2x2 mesh, a swap), a weight resharded under FSDP x TP round three (a
+  cycle on 2x2x2)."""
   devices = mesh.devices()
   coord_of = {int(d): idx for idx, d in np.ndenumerate(devices)}
   sent = dict(pairs)
   if len(sent) != len(pairs) or set(sent) != set(coord_of) or set(sent.values()) != set(coord_of):
     return None
   names = mesh.axis_names
-  for i, j in itertools.combinations(range(len(names)), 2):
-    if mesh.axes[i][1] != mesh.axes[j][1] or mesh.axes[i][1] < 2:
+  moving = [i for i, (_, n) in enumerate(mesh.axes) if n > 1]
+  for image in itertools.permutations(moving):
+    to = dict(zip(moving, image))  # axis i's coordinate goes to axis to[i]
+    if all(i == j for i, j in to.items()) or any(
+        mesh.axes[i][1] != mesh.axes[j][1] for i, j in to.items()):
       continue
-    def swapped(c):
-      c = list(c)
-      c[i], c[j] = c[j], c[i]
-      return int(devices[tuple(c)])
-    if all(sent[d] == swapped(c) for d, c in coord_of.items()):
-      return names[i], names[j]
+
+    def receiver(c):
+      t = list(c)
+      for i, j in to.items():
+        t[j] = c[i]
+      return int(devices[tuple(t)])
+    if all(sent[d] == receiver(c) for d, c in coord_of.items()):
+      return tuple((names[i], names[j]) for i, j in to.items() if i != j)
   return None
 
 

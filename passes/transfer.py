@@ -10,7 +10,7 @@ collective or a rank-dependent slice ``g``, then ``s ~ L' of d'``:
   reduce-scatter X, k     a partial sum over X becomes a tile along k
   all-to-all X, i -> j    the tile over X moves from dim j to dim i
   collective-permute      a replica stays a replica if every rank receives;
-                          swapping two axes' coordinates renames them;
+                          permuting axes of one size renames them;
                           a value pinned at coordinate c moves to perm(c);
                           a shift r -> r + s along x turns tiles over x by -s
                           (rotated axes, layout.py)
@@ -270,11 +270,11 @@ class Transfer:
 
   def _collective_permute(self, op, cls, l: Layout):
     axes, perm = op.attrs.get("gg.axes"), op.attrs.get("gg.permutation")
-    swap = op.attrs.get("gg.swap")
-    if swap is not None:
-      # Rank r holds what the rank with r's coordinates on a and b swapped
-      # held: the relation with a and b renamed.
-      yield _renamed(l, dict([swap, swap[::-1]]))
+    renaming = op.attrs.get("gg.renaming")
+    if renaming is not None:
+      # Rank r holds what the rank with r's coordinates permuted back held:
+      # the relation with its axes renamed.
+      yield _renamed(l, dict(renaming))
       return
     if not axes or perm is None:
       return

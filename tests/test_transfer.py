@@ -418,33 +418,39 @@ def test_collective_permute():
   hits.check()
 
 
-def test_collective_permute_swapping_two_axes_renames_them():
-  """A permute sending each rank to the one with its a and b coordinates
-  swapped (XLA, moving a kv head's shards on a refined mesh): the relation
-  holds with a and b renamed; ``sharding.axis_swap_of_pairs`` finds it."""
-  from graphguard_hlo.passes.sharding import axis_swap_of_pairs
+def test_collective_permute_permuting_axes_renames_them():
+  """A permute sending each rank to the one whose y coordinate is its x
+  coordinate, for a permutation of axes of one size (XLA, moving a kv head's
+  shards between two axes of a refined mesh, or a weight's round three): the
+  relation holds with the axes renamed; ``sharding.axis_renaming_of_pairs``
+  finds the permutation from the device pairs."""
+  from graphguard_hlo.passes.sharding import axis_renaming_of_pairs
   hits = Hits()
 
   @SETTINGS
   @given(setups(min_rank=0), st.data())
   def check(setup, data):
     mesh, layout, shape, seed = setup
-    pairs_of_axes = [(a, b) for (a, n), (b, m) in itertools.combinations(mesh.axes, 2)
-                     if n == m and n > 1]
-    if not pairs_of_axes:
-      return  # (no two axes alike to swap: not a case)
-    a, b = data.draw(st.sampled_from(pairs_of_axes))
-    i, j = mesh.axis_names.index(a), mesh.axis_names.index(b)
+    sizes = dict(mesh.axes)
+    alike = [a for a in mesh.axis_names if sizes[a] > 1 and sum(
+        sizes[b] == sizes[a] for b in mesh.axis_names) > 1]
+    if not alike:
+      return  # (no two axes alike to permute: not a case)
+    image = data.draw(st.permutations(alike).filter(
+        lambda p: list(p) != alike and all(sizes[a] == sizes[b] for a, b in zip(alike, p))))
+    to = dict(zip(alike, image))
     pairs = []
     for c in ranks(mesh):
-      s_ = list(c)
-      s_[i], s_[j] = s_[j], s_[i]
-      pairs.append((device_id(mesh, c), device_id(mesh, s_)))
-    assert axis_swap_of_pairs(pairs, mesh) in ((a, b), (b, a))
+      t = list(c)
+      for a, b in to.items():
+        t[mesh.axis_names.index(b)] = c[mesh.axis_names.index(a)]
+      pairs.append((device_id(mesh, c), device_id(mesh, t)))
+    renaming = tuple((a, b) for a, b in to.items() if a != b)
+    assert axis_renaming_of_pairs(pairs, mesh) == renaming
     lshape = local(layout, shape, mesh)
     prog = Program(mesh, lshape)
     op = prog.add("collective_permute", [prog.param], lshape,
-                  attrs={"gg.axes": None, "gg.permutation": None, "gg.swap": (a, b),
+                  attrs={"gg.axes": None, "gg.permutation": None, "gg.renaming": renaming,
                          "test.device_pairs": tuple(pairs)})
     hits.add(check_rule(prog, op, layout, values(shape, seed), seed))
 
