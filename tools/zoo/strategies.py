@@ -832,7 +832,31 @@ def _fsdp_specs(model, cfg) -> tuple:
       for n, s in param_specs(model, cfg))
 
 
+# FSDP x TP (MaxText's fsdp and tensor axes): Megatron's specs over "tp", and
+# each weight also split over "dp" on the first dim TP leaves whole that |dp|
+# divides (a stack's layer dim kept whole).  GSPMD only: XLA gathers the
+# weights where they are used and reduce-scatters their gradients.
+FSDP_TP = _Strategy("fsdp_tp", (2, 4), ("dp", "tp"), P("dp", None), _tp_param_spec, _dp_tp_par)
+
+
+def _fsdp_tp_specs(model, cfg) -> tuple:
+  dp = FSDP_TP.mesh_shape[0]
+  specs = []
+  for name, shape in param_specs(model, cfg):
+    lead = 1 if is_stacked(name) else 0
+    layer = list(_tp_param_spec(model, name))
+    layer += [None] * (len(shape) - lead - len(layer))
+    free = next((d for d, a in enumerate(layer) if a is None and shape[lead + d] % dp == 0),
+                None)
+    if free is not None:
+      layer[free] = "dp"
+    specs.append(P(*[None] * lead, *layer))
+  return (FSDP_TP.token_spec, FSDP_TP.token_spec) + tuple(specs)
+
+
 def _specs(model, strategy, cfg) -> tuple:
+  if strategy.name == FSDP_TP.name:
+    return _fsdp_tp_specs(model, cfg)
   fsdp = strategy.name.split("_")[0] == FSDP.name  # FSDP itself or a variant of it
   return _fsdp_specs(model, cfg) if fsdp else _in_specs(model, strategy, cfg)
 
@@ -1115,6 +1139,12 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_gspmd_case(model, FSDP, cfg))
     if grad:
       built.append(_grad_case(model, FSDP, cfg))
+  # FSDP x TP, GSPMD: XLA moves some weights' shards round the axes of its
+  # refined 2 x 2 x 2 mesh by collective-permutes (sharding.py's renaming).
+  for model in MODELS:
+    built.append(_gspmd_case(model, FSDP_TP, cfg))
+    if grad:
+      built.append(_grad_case(model, FSDP_TP, cfg))
   # The first matmul reading a weight gathered along the wrong dim (its rows
   # come out interleaved): GPT-2's one-hot embedding lookup.
   built.append(_fsdp_case("gpt2", cfg, "wrong_gather_dim", gather_dim=1,
