@@ -81,6 +81,7 @@ def test_names_and_metadata():
     strategies.get(f"{model}/pp_tp_interleaved_1f1b_indexed_grad/shard_map/ok")
     strategies.get(f"{model}/dp_pp_tp_interleaved_1f1b_indexed_grad/shard_map/ok")
     strategies.get(f"{model}/fsdp_tp_grad/gspmd/ok")
+    strategies.get(f"{model}/fsdp_tp_grad/shard_map/ok")
   strategies.get("llama3/ep_capacity_grad/gspmd/ok")
   strategies.get("llama3/ep_top_k_grad/gspmd/ok")
 

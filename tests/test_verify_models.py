@@ -54,6 +54,7 @@ def test_correct_model_is_proved(case):
 # What each seeded bug's diagnosis must say: the words that name the bug class.
 _DIAGNOSES: dict[str, str] = {
     "gpt2/fsdp/shard_map/wrong_gather_dim": "shard concatenated on the wrong dim",
+    "gpt2/fsdp_tp/shard_map/wrong_gather_dim": "shard concatenated on the wrong dim",
     "gpt2/fsdp_take/shard_map/table_not_gathered": "(missing all-gather?)",
     "llama3/fsdp_take/shard_map/table_not_gathered": "(missing all-gather?)",
     "llama3/sp/shard_map/rope_no_offset": "with no rank offset",

@@ -854,6 +854,45 @@ def _fsdp_tp_specs(model, cfg) -> tuple:
   return (FSDP_TP.token_spec, FSDP_TP.token_spec) + tuple(specs)
 
 
+def _fsdp_tp_case(model, cfg, variant="ok", wrong_dim=False, bug=None, bug_primitive=None,
+                  grad=False) -> Case:
+  """shard_map FSDP x TP: each weight all-gathered over "dp" along the dim its
+  spec splits over "dp" (``wrong_dim``: along the next dim, the seeded bug,
+  made shape-correct by a reshape), then Megatron TP over "tp" as ``dp_tp``.
+  ``grad``: value_and_grad of the step inside shard_map (the gathers
+  transpose to reduce-scatters over "dp")."""
+  cfg = _cfg(FSDP_TP, cfg)
+  mesh = _mesh(FSDP_TP.mesh_shape, FSDP_TP.axis_names)
+  names = [n for n, _ in param_specs(model, cfg)]
+  specs = _fsdp_tp_specs(model, cfg)
+  label = _ident(model, FSDP_TP.name, "grad" if grad else variant)
+  local = loss_fn(model, cfg, _dp_tp_par(), name=label)
+
+  def gather(p, spec):
+    if "dp" not in spec:
+      return p
+    d = list(spec).index("dp")
+    if not wrong_dim or d + 1 == p.ndim:
+      return lax.all_gather(p, "dp", axis=d, tiled=True)
+    shape = p.shape[:d] + (p.shape[d] * FSDP_TP.mesh_shape[0],) + p.shape[d + 1:]
+    return lax.all_gather(p, "dp", axis=d + 1, tiled=True).reshape(shape)
+
+  def body(tokens, labels, *params):
+    return local(tokens, labels, *[gather(p, spec) for p, spec in zip(params, specs[2:])])
+  body.__name__ = body.__qualname__ = label
+  seq_fn, out_specs = _seq_fn(model, cfg), P()
+  if grad:
+    seq_fn = _named(_loss_and_grads(seq_fn, len(names)), _ident(model, FSDP_TP.name, "grad_seq"))
+    body = _loss_and_grads(body, len(names))
+    out_specs = (P(), tuple(specs[2:]))
+  dist_fn = shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)
+  strategy = FSDP_TP.name + ("_grad" if grad else "")
+  return Case(name=f"{model}/{strategy}/shard_map/{variant}", seq_fn=seq_fn,
+              dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
+              dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
+              style="shard_map", bug=bug, bug_primitive=bug_primitive)
+
+
 def _specs(model, strategy, cfg) -> tuple:
   if strategy.name == FSDP_TP.name:
     return _fsdp_tp_specs(model, cfg)
@@ -1139,12 +1178,19 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_gspmd_case(model, FSDP, cfg))
     if grad:
       built.append(_grad_case(model, FSDP, cfg))
-  # FSDP x TP, GSPMD: XLA moves some weights' shards round the axes of its
-  # refined 2 x 2 x 2 mesh by collective-permutes (sharding.py's renaming).
+  # FSDP x TP.  shard_map: weights all-gathered over "dp" by hand, Megatron
+  # inside; the bug, a weight gathered along the wrong dim (GPT-2's embedding
+  # table, read by the one-hot matmul).  GSPMD: XLA moves some weights' shards
+  # round the axes of its refined 2 x 2 x 2 mesh by collective-permutes
+  # (sharding.py's renaming).
   for model in MODELS:
+    built.append(_fsdp_tp_case(model, cfg))
     built.append(_gspmd_case(model, FSDP_TP, cfg))
     if grad:
+      built.append(_fsdp_tp_case(model, cfg, grad=True))
       built.append(_grad_case(model, FSDP_TP, cfg))
+  built.append(_fsdp_tp_case("gpt2", cfg, "wrong_gather_dim", wrong_dim=True,
+                             bug="wrong_gather_dim", bug_primitive="dot_general"))
   # The first matmul reading a weight gathered along the wrong dim (its rows
   # come out interleaved): GPT-2's one-hot embedding lookup.
   built.append(_fsdp_case("gpt2", cfg, "wrong_gather_dim", gather_dim=1,
