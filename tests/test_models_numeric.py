@@ -54,7 +54,7 @@ def test_names_and_metadata():
                                    "nll_max_not_reduced", "vocab_ids_not_offset",
                                    "norm_counts_replicas", "grad_not_divided",
                                    "microbatch_skipped", "output_misplaced", "stale_activation",
-                                   "wrong_model_chunk"}
+                                   "wrong_model_chunk", "replicas_summed"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "tp_vocab", "sp", "dp_tp", "cp", "dp_tp_cp", "dp_take"):
       for style in ("shard_map", "gspmd"):
@@ -84,6 +84,7 @@ def test_names_and_metadata():
     strategies.get(f"{model}/fsdp_tp_grad/shard_map/ok")
   strategies.get("llama3/ep_capacity_grad/gspmd/ok")
   strategies.get("llama3/ep_top_k_grad/gspmd/ok")
+  strategies.get("llama3/ep_tp_grad/shard_map/ok")
 
 
 @pytest.mark.parametrize("case", ALL, ids=_ids)

@@ -55,6 +55,8 @@ def test_correct_model_is_proved(case):
 _DIAGNOSES: dict[str, str] = {
     "gpt2/fsdp/shard_map/wrong_gather_dim": "shard concatenated on the wrong dim",
     "gpt2/fsdp_tp/shard_map/wrong_gather_dim": "shard concatenated on the wrong dim",
+    "llama3/ep_tp/shard_map/experts_summed_over_tp":
+        "4 times the sequential one (summed over 4 = |tp| ranks without dividing",
     "gpt2/fsdp_take/shard_map/table_not_gathered": "(missing all-gather?)",
     "llama3/fsdp_take/shard_map/table_not_gathered": "(missing all-gather?)",
     "llama3/sp/shard_map/rope_no_offset": "with no rank offset",

@@ -426,8 +426,8 @@ def _slots_over_all_my_tokens(chosen):
 def _ep_par(dispatch=_to_expert_owners, **hooks):
   """Expert parallel on "ep": tokens (batch rows) and experts both split over
   it, attention replicated, expert tokens exchanged by all-to-alls."""
-  return Parallel(combine_loss=_pmean_of_mean("ep"), to_experts=dispatch("ep"),
-                  from_experts=_to_token_owners("ep"), **hooks)
+  return Parallel(**{"combine_loss": _pmean_of_mean("ep"), "to_experts": dispatch("ep"),
+                     "from_experts": _to_token_owners("ep"), **hooks})
 
 
 def _pipeline_stages(axis, shift=1):
@@ -629,6 +629,31 @@ DP_TP_RING_ATTENTION = _Strategy("dp_tp_ring_attention", (2, 2, 2), ("dp", "tp",
 # Expert parallelism: llama3 only (its MLP is the MoE layer), 4 experts.
 EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
                (("batch", 4), ("experts", 4)))
+
+def _ep_tp_param_spec(model, name):
+  """The experts' weights split over "ep" by expert, the attention's over "tp"
+  as Megatron's."""
+  if base_name(name) in ("w_gate", "w_up", "w_down"):
+    return _ep_param_spec(model, name)
+  return _tp_param_spec(model, name)
+
+
+def _ep_tp_par(**hooks):
+  return _ep_par(local_heads=_slice_heads("tp"), reduce_attn=_psum("tp"), **hooks)
+
+
+def _experts_summed_over(axis):
+  """The bug: the experts' outputs all-reduced over ``axis`` on their way back,
+  as after a row-parallel matmul; each rank there computed the same whole
+  output, so the sum is |axis| times it."""
+  back = _to_token_owners("ep")
+  return lambda y: lax.psum(back(y), axis)
+
+
+# 2D: experts over "ep" (2 per rank, the batch split alike), the attention
+# over "tp" (2 x 4); the experts' MLPs run whole on every "tp" rank.
+EP_TP = _Strategy("ep_tp", (2, 4), ("ep", "tp"), P("ep", None), _ep_tp_param_spec, _ep_tp_par,
+                  (("batch", 4), ("experts", 4)))
 # ... with each expert taking at most 6 of a group's 16 tokens (some dropped),
 # 2 groups (batch rows) per rank.
 EP_CAPACITY = dataclasses.replace(EP, name="ep_capacity",
@@ -1207,6 +1232,17 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built.append(_shard_map_case("llama3", EP, cfg, "dispatch_to_wrong_rank",
                                _ep_par(_to_next_rank_experts), "dispatch_to_wrong_rank",
                                "dot_general"))
+  # ... with Megatron TP for the attention (2 x 4), and the experts' outputs
+  # summed over "tp" (a TP all-reduce where the MoE computed whole outputs):
+  # reported at the residual add, 4 times the sequential value.
+  built.append(_shard_map_case("llama3", EP_TP, cfg, "ok", EP_TP.par()))
+  built.append(_gspmd_case("llama3", EP_TP, cfg))
+  if grad:
+    built.append(_shard_map_grad_case("llama3", EP_TP, cfg))
+    built.append(_grad_case("llama3", EP_TP, cfg))
+  built.append(_shard_map_case("llama3", EP_TP, cfg, "experts_summed_over_tp",
+                               _ep_tp_par(from_experts=_experts_summed_over("tp")),
+                               "replicas_summed", "add"))
   # With a capacity (tokens beyond it dropped), and the queue counted over
   # all of a rank's tokens instead of per group: the cumsum is the first
   # value no rank holds.
