@@ -85,6 +85,7 @@ def test_names_and_metadata():
   strategies.get("llama3/ep_capacity_grad/gspmd/ok")
   strategies.get("llama3/ep_top_k_grad/gspmd/ok")
   strategies.get("llama3/ep_tp_grad/shard_map/ok")
+  strategies.get("gpt2/dp_sp_grad/gspmd/ok")
 
 
 @pytest.mark.parametrize("case", ALL, ids=_ids)

@@ -60,6 +60,7 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/fsdp_take/shard_map/table_not_gathered": "(missing all-gather?)",
     "llama3/fsdp_take/shard_map/table_not_gathered": "(missing all-gather?)",
     "llama3/sp/shard_map/rope_no_offset": "with no rank offset",
+    "llama3/dp_sp/shard_map/rope_no_offset": "with no rank offset",
     "llama3/tp/shard_map/gqa_wrong_heads": "reads the related operands but gives",
     "gpt2/tp_vocab/shard_map/nll_max_not_reduced": "partial max over 'tp' that is never reduced",
     "llama3/tp_vocab/shard_map/vocab_ids_not_offset": "with no rank offset",

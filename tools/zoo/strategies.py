@@ -331,6 +331,11 @@ def _sp_par(with_offset=True):
                   combine_loss=_pmean_of_mean("tp"))
 
 
+def _dp_sp_par(with_offset=True):
+  """``sp`` on each half of the batch: the loss averaged over both axes."""
+  return dataclasses.replace(_sp_par(with_offset), combine_loss=_pmean_of_mean(("dp", "tp")))
+
+
 def _vocab_offset_iota(n, axis, with_offset=True):
   """This rank's vocabulary ids: rows ``r * n ...`` of a table split by rows."""
   ids = jnp.arange(n, dtype=jnp.int32)
@@ -569,6 +574,10 @@ _STRATEGIES = {s.name: s for s in [
     _Strategy("dp_tp_cp", (2, 2, 2), ("dp", "tp", "cp"), P("dp", "cp"),
               _dp_tp_cp_param_spec, _dp_tp_cp_par),
 ]}
+
+# dp x tp x sp: Korthikanti's sequence parallelism with Megatron TP on "tp",
+# the batch over "dp" (2 x 4): tokens split over both.
+DP_SP = _Strategy("dp_sp", (2, 4), ("dp", "tp"), P("dp", "tp"), _sp_param_spec, _dp_sp_par)
 
 # Pipeline parallelism: 8 layers on 4 stages, two per stage.
 PP = _Strategy("pp", (4,), ("pp",), P(), _no_param_specs, _pp_par,
@@ -1223,6 +1232,16 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   for b in _bugs():
     built.append(_shard_map_case(b.model, _STRATEGIES[b.strategy], cfg, b.bug,
                                  b.par(), b.bug, b.bug_primitive, b.check_vma))
+  # dp x tp x sp, both styles, forward and backward; the bug, RoPE positions
+  # not offset per sequence shard (the offset now from a 2D partition id).
+  for model in MODELS:
+    built.append(_shard_map_case(model, DP_SP, cfg, "ok", DP_SP.par()))
+    built.append(_gspmd_case(model, DP_SP, cfg))
+    if grad:
+      built.append(_shard_map_grad_case(model, DP_SP, cfg))
+      built.append(_grad_case(model, DP_SP, cfg))
+  built.append(_shard_map_case("llama3", DP_SP, cfg, "rope_no_offset",
+                               _dp_sp_par(with_offset=False), "rope_no_offset", "iota"))
   for model in MODELS:
     for strategy in _STRATEGIES.values():
       built.append(_gspmd_case(model, strategy, cfg))
