@@ -897,7 +897,6 @@ def _fsdp_tp_case(model, cfg, variant="ok", wrong_dim=False, bug=None, bug_primi
   transpose to reduce-scatters over "dp")."""
   cfg = _cfg(FSDP_TP, cfg)
   mesh = _mesh(FSDP_TP.mesh_shape, FSDP_TP.axis_names)
-  names = [n for n, _ in param_specs(model, cfg)]
   specs = _fsdp_tp_specs(model, cfg)
   label = _ident(model, FSDP_TP.name, "grad" if grad else variant)
   local = loss_fn(model, cfg, _dp_tp_par(), name=label)
@@ -914,17 +913,8 @@ def _fsdp_tp_case(model, cfg, variant="ok", wrong_dim=False, bug=None, bug_primi
   def body(tokens, labels, *params):
     return local(tokens, labels, *[gather(p, spec) for p, spec in zip(params, specs[2:])])
   body.__name__ = body.__qualname__ = label
-  seq_fn, out_specs = _seq_fn(model, cfg), P()
-  if grad:
-    seq_fn = _named(_loss_and_grads(seq_fn, len(names)), _ident(model, FSDP_TP.name, "grad_seq"))
-    body = _loss_and_grads(body, len(names))
-    out_specs = (P(), tuple(specs[2:]))
-  dist_fn = shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)
-  strategy = FSDP_TP.name + ("_grad" if grad else "")
-  return Case(name=f"{model}/{strategy}/shard_map/{variant}", seq_fn=seq_fn,
-              dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
-              dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
-              style="shard_map", bug=bug, bug_primitive=bug_primitive)
+  return _gathering_case(model, cfg, FSDP_TP.name + ("_grad" if grad else ""), mesh, specs,
+                         body, grad, variant, bug, bug_primitive)
 
 
 def _specs(model, strategy, cfg) -> tuple:
@@ -973,13 +963,23 @@ def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=N
     return local(tokens, labels, *[p if is_stacked(n) else gather(p, s, n)
                                    for p, n, s in zip(params, names, shapes)])
   body.__name__ = body.__qualname__ = label
+  return _gathering_case(model, cfg, name + ("_scan" if scan else "") + ("_grad" if grad else ""),
+                         mesh, specs, body, grad, variant, bug, bug_primitive)
+
+
+def _gathering_case(model, cfg, strategy: str, mesh, specs, body, grad, variant, bug,
+                    bug_primitive) -> Case:
+  """A shard_map case of ``body`` (per device, gathering the weights it holds
+  split; its name is the lowered module's): the loss, or with ``grad``
+  value_and_grad in every parameter, the gradients laid out like their
+  parameters.  The sequential step is named after it, with "_seq"."""
+  n_params = len(specs) - 2
   seq_fn, out_specs = _seq_fn(model, cfg), P()
   if grad:
-    seq_fn = _named(_loss_and_grads(seq_fn, len(names)), _ident(model, name, kind, "seq"))
-    body = _loss_and_grads(body, len(names))
+    seq_fn = _named(_loss_and_grads(seq_fn, n_params), body.__name__ + "_seq")
+    body = _loss_and_grads(body, n_params)
     out_specs = (P(), tuple(specs[2:]))
   dist_fn = shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)
-  strategy = name + ("_scan" if scan else "") + ("_grad" if grad else "")
   return Case(name=f"{model}/{strategy}/shard_map/{variant}", seq_fn=seq_fn,
               dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
               dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
@@ -1200,6 +1200,16 @@ def _accumulation_case(model, strategy, cfg, microbatches=2, variant="ok", divid
 
 
 @functools.cache
+def _in_both_styles(model, strategy: _Strategy, cfg, grad: bool) -> list[Case]:
+  """``strategy``'s correct programs: shard_map and GSPMD forward, and with
+  ``grad`` their training steps."""
+  cases = [_shard_map_case(model, strategy, cfg, "ok", strategy.par()),
+           _gspmd_case(model, strategy, cfg)]
+  if grad:
+    cases += [_shard_map_grad_case(model, strategy, cfg), _grad_case(model, strategy, cfg)]
+  return cases
+
+
 def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built = []
   for model in MODELS:
@@ -1235,11 +1245,7 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # dp x tp x sp, both styles, forward and backward; the bug, RoPE positions
   # not offset per sequence shard (the offset now from a 2D partition id).
   for model in MODELS:
-    built.append(_shard_map_case(model, DP_SP, cfg, "ok", DP_SP.par()))
-    built.append(_gspmd_case(model, DP_SP, cfg))
-    if grad:
-      built.append(_shard_map_grad_case(model, DP_SP, cfg))
-      built.append(_grad_case(model, DP_SP, cfg))
+    built.extend(_in_both_styles(model, DP_SP, cfg, grad))
   built.append(_shard_map_case("llama3", DP_SP, cfg, "rope_no_offset",
                                _dp_sp_par(with_offset=False), "rope_no_offset", "iota"))
   for model in MODELS:
@@ -1254,11 +1260,7 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # ... with Megatron TP for the attention (2 x 4), and the experts' outputs
   # summed over "tp" (a TP all-reduce where the MoE computed whole outputs):
   # reported at the residual add, 4 times the sequential value.
-  built.append(_shard_map_case("llama3", EP_TP, cfg, "ok", EP_TP.par()))
-  built.append(_gspmd_case("llama3", EP_TP, cfg))
-  if grad:
-    built.append(_shard_map_grad_case("llama3", EP_TP, cfg))
-    built.append(_grad_case("llama3", EP_TP, cfg))
+  built.extend(_in_both_styles("llama3", EP_TP, cfg, grad))
   built.append(_shard_map_case("llama3", EP_TP, cfg, "experts_summed_over_tp",
                                _ep_tp_par(from_experts=_experts_summed_over("tp")),
                                "replicas_summed", "add"))
@@ -1275,11 +1277,7 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_grad_case("llama3", EP_CAPACITY, cfg))
   # The router's experts picked by lax.top_k (Mixtral's router) instead of
   # arg-max rounds: forward and backward, both styles.
-  built.append(_shard_map_case("llama3", EP_TOP_K, cfg, "ok", EP_TOP_K.par()))
-  built.append(_gspmd_case("llama3", EP_TOP_K, cfg))
-  if grad:
-    built.append(_shard_map_grad_case("llama3", EP_TOP_K, cfg))
-    built.append(_grad_case("llama3", EP_TOP_K, cfg))
+  built.extend(_in_both_styles("llama3", EP_TOP_K, cfg, grad))
   ep_scan = _scanned(EP)
   built.append(_shard_map_case("llama3", ep_scan, cfg, "ok", ep_scan.par()))
   built.append(_gspmd_case("llama3", ep_scan, cfg))
@@ -1483,11 +1481,7 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # training step (forward+backward) under the other strategies.
   for model in MODELS:
     for strategy in (_looked_up(_STRATEGIES["dp"]), _looked_up(_STRATEGIES["dp_tp_cp"])):
-      built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
-      built.append(_gspmd_case(model, strategy, cfg))
-      if grad:
-        built.append(_shard_map_grad_case(model, strategy, cfg))
-        built.append(_grad_case(model, strategy, cfg))
+      built.extend(_in_both_styles(model, strategy, cfg, grad))
     if grad:
       for strategy in map(_looked_up, (_STRATEGIES["tp"], _STRATEGIES["sp"])):
         built.append(_shard_map_grad_case(model, strategy, cfg))
@@ -1509,16 +1503,8 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   for model in MODELS:
     # ... and with the batch over "dp" too (2 x 4): each rank scatter-adds
     # its own tokens' rows, summed over "dp" by the gradient's all-reduce.
-    built.append(_shard_map_case(model, dp_vocab_take, cfg, "ok", dp_vocab_take.par()))
-    built.append(_gspmd_case(model, dp_vocab_take, cfg))
-    if grad:
-      built.append(_shard_map_grad_case(model, dp_vocab_take, cfg))
-      built.append(_grad_case(model, dp_vocab_take, cfg))
-    built.append(_shard_map_case(model, vocab_take, cfg, "ok", vocab_take.par()))
-    built.append(_gspmd_case(model, vocab_take, cfg))
-    if grad:
-      built.append(_shard_map_grad_case(model, vocab_take, cfg))
-      built.append(_grad_case(model, vocab_take, cfg))
+    built.extend(_in_both_styles(model, dp_vocab_take, cfg, grad))
+    built.extend(_in_both_styles(model, vocab_take, cfg, grad))
   built.append(_shard_map_case("gpt2", vocab_take, cfg, "vocab_ids_not_offset",
                                dataclasses.replace(vocab_take.par(), embed_tokens=(
                                    _vocab_parallel_embed("tp", with_offset=False))),
