@@ -57,11 +57,12 @@ def test_a_row_read_past_the_end_is_clamped_like_the_op():
   _proved_and_checked(_staged(read=lambda stage: 7 - stage, keep_at=0))
 
 
-def _proved_and_checked(dist):
-  assert outputs_agree(_seq, dist, X)
-  seq = lower_sequential(_seq, X)
-  result, check = verify_and_check(seq, lower_distributed(dist, *_abstract_args((X,), MESH,
-                                                                                  (P(),))))
+def _proved_and_checked(dist, seq=_seq, x=X, mesh=MESH, spec=P()):
+  """The outputs agree, the verdict is refines, and every relation it earned
+  holds on the reference interpreter's numbers."""
+  assert outputs_agree(seq, dist, x)
+  result, check = verify_and_check(lower_sequential(seq, x), lower_distributed(
+      dist, *_abstract_args((x,), mesh, (spec,))))
   assert result.refines and check.ok, (result, check)
 
 
@@ -154,11 +155,7 @@ def test_a_weight_read_at_a_row_computed_from_the_stage(t, keep_at):
   """At t = 6 the rows are 1, 1, 1, 0 (no tile offset: cases); at t = 3 every
   stage reads row 0, a constant the program spells with the partition id."""
   seq = lambda w: jnp.tanh(w[_chunk(t, keep_at), keep_at]) * 3
-  dist = _chunk_read(t, keep_at)
-  assert outputs_agree(seq, dist, CHUNKS)
-  result, check = verify_and_check(lower_sequential(seq, CHUNKS), lower_distributed(
-      dist, *_abstract_args((CHUNKS,), MESH, (P(None, "pp"),))))
-  assert result.refines and check.ok, (result, check)
+  _proved_and_checked(_chunk_read(t, keep_at), seq, CHUNKS, spec=P(None, "pp"))
 
 
 @pytest.mark.parametrize("keep_at", range(4))
@@ -189,11 +186,8 @@ def _chunk_read_on_two_stages(row, keep_at: int):
                          ids=["r", "r+1_mod_2", "1-r"])
 def test_a_weight_read_at_a_tile_offset_of_its_own_axis_is_split(row, keep_at):
   seq = lambda w: jnp.tanh(w[row(keep_at), keep_at]) * 3
-  dist = _chunk_read_on_two_stages(row, keep_at)
-  assert outputs_agree(seq, dist, TWO_CHUNKS)
-  result, check = verify_and_check(lower_sequential(seq, TWO_CHUNKS), lower_distributed(
-      dist, *_abstract_args((TWO_CHUNKS,), TWO_STAGES, (P(None, "pp"),))))
-  assert result.refines and check.ok, (result, check)
+  _proved_and_checked(_chunk_read_on_two_stages(row, keep_at), seq, TWO_CHUNKS, TWO_STAGES,
+                      P(None, "pp"))
 
 
 @pytest.mark.parametrize("keep_at", range(2))
