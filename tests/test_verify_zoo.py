@@ -3,7 +3,7 @@ reported at its op.  Both directions, so neither verdict can be hard-wired."""
 
 import pytest
 
-from graphguard_hlo.pipeline import verify_modules
+from tests.zoo_verdicts import verified
 from tools.zoo import cases
 
 # jax primitives that StableHLO spells differently.
@@ -15,7 +15,8 @@ KNOWN_UNPROVED: dict[str, str] = {}
 
 
 def _verify(case):
-  return verify_modules(*case.modules())
+  result, _ = verified(case)  # shared with test_relation_check.py
+  return result
 
 
 @pytest.mark.parametrize("case", cases.correct_cases(), ids=lambda c: c.name)
