@@ -173,23 +173,59 @@ def _made_from_related(inf, dv: ir.Value, seq_of: dict, depth: int = 4) -> str:
         if found is not None:
           if path[0].name in COLLECTIVES and len(path) == 1:
             return ""  # said by _collective_words, in the collective's own terms
-          return _path_words(path, x, *found)
+          return _path_words(path, x, *found, inf.mesh)
         if x.producer is not None and inf.deg.splat(inf.deg.of(x)) is None:
           grown.append(path + [x.producer])
     paths = grown[:16]
   return ""
 
 
-def _path_words(path: list, x: ir.Value, sid: int, r) -> str:
+def _path_words(path: list, x: ir.Value, sid: int, r, mesh: ir.Mesh) -> str:
   source = f"{_dname(x)}, which is the sequential %{sid} as {r.layout.describe('d')}"
   if len(path) == 1:
     p = path[0]
     shown = [f"{k} {_attr_text(a)}" for k, a in p.attrs.items()
-             if not k.startswith(("gg.", "test."))]
+             if not k.startswith(("gg.", "test."))] + [_offset_words(p, mesh)]
+    shown = [w for w in shown if w]
     attrs = f" ({', '.join(shown)})" if shown else ""
     return f": it is a {p.name}{attrs} of {source}"
-  steps = ", ".join(f"{p.name} at {p.location}" for p in reversed(path))
+  steps = ", ".join(_step_words(p, mesh) for p in reversed(path))
   return f": it is computed from {source}, by {steps}"
+
+
+def _step_words(op: ir.Op, mesh: ir.Mesh) -> str:
+  offsets = _offset_words(op, mesh)
+  return f"{op.name} at {op.location}" + (f" ({offsets})" if offsets else "")
+
+
+def _offset_words(op: ir.Op, mesh: ir.Mesh) -> str:
+  """'starting at 8, 16, 24, 0 along dim 0 at dp = 0, 1, 2, 3: tile dp+1,
+  another rank's tile?': where a dynamic slice or update that moves with the
+  rank starts on each rank, read off the partition id ('' if it does not
+  move).  A slice at the tile of another rank than its own is a classic
+  shard-offset bug, and the offsets are what the reader has to check."""
+  from graphguard_hlo.passes.rank_arith import partition_id_table, per_coordinate
+  if op.name == "dynamic_slice":
+    first, sizes = 1, tuple(op.attrs["slice_sizes"])
+  elif op.name == "dynamic_update_slice":
+    first, sizes = 2, op.operands[1].shape
+  else:
+    return ""
+  for dim, start in enumerate(op.operands[first:]):
+    table = partition_id_table(start, mesh.size)
+    found = None if table is None or len(set(table.tolist())) < 2 else \
+        per_coordinate(table, mesh)
+    if found is None:
+      continue
+    axis, values = found
+    n = len(values)
+    words = (f"starting at {', '.join(map(str, values))} along dim {dim} at {axis} = "
+             f"{', '.join(map(str, range(n)))}")
+    turn = next((j for j in range(1, n)
+                 if values == [((c + j) % n) * sizes[dim] for c in range(n)]), None)
+    return words + (f": tile {rotated_axis(axis, turn, n)}, another rank's tile?"
+                    if turn is not None else "")
+  return ""
 
 
 def _mismatch_words(inf, op: ir.Op) -> Optional[str]:

@@ -1,9 +1,21 @@
-"""The words diagnose.py puts on a wrong scale: the factor, and every mesh
-axis whose size it is (a layout's scale does not say which collective made
-it, so naming one of several same-size axes would point at the wrong one)."""
+"""The words diagnose.py puts on a wrong scale (the factor, and every mesh
+axis whose size it is: a layout's scale does not say which collective made
+it, so naming one of several same-size axes would point at the wrong one),
+and on a slice taken at another rank's tile (the offsets on each rank)."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax.numpy as jnp
+from jax import lax, shard_map
+from jax.sharding import PartitionSpec as P
 
 from graphguard_hlo import ir
+from graphguard_hlo.api import verify
 from graphguard_hlo.passes.diagnose import _scale_words
+from tests.numbers import outputs_agree
+from tools.zoo.cases import mesh_of
 
 
 def test_a_factor_of_one_axis_size_names_that_axis():
@@ -26,3 +38,26 @@ def test_a_division_too_many_is_named_as_one():
 def test_a_factor_no_axis_has_gets_no_guess():
   words = _scale_words(1 / 3, ir.Mesh((("dp", 2), ("tp", 4))))
   assert words == "the distributed value is 3 times the sequential one"
+
+
+def _tile_times_weight(turn):
+  """x tiled over "dp" times rank r's tile ``r + turn`` of a replicated w (the
+  sequential x * w when ``turn`` is 0: ZeRO's parameter tile, say)."""
+  def local(x, w):
+    n = lax.axis_size("dp")
+    rows = x.shape[0]
+    start = ((lax.axis_index("dp") + turn) % n) * rows
+    return x * lax.dynamic_slice_in_dim(w, start, rows, 0)
+  return shard_map(local, mesh=mesh_of((4,), ("dp",)), in_specs=(P("dp"), P()),
+                   out_specs=P("dp"))
+
+
+def test_a_slice_at_another_ranks_tile_is_named_with_its_offsets():
+  x, w = jnp.arange(32.0).reshape(16, 2), jnp.arange(32.0).reshape(16, 2) + 1
+  seq = lambda x, w: x * w
+  assert outputs_agree(seq, _tile_times_weight(0), x, w)
+  assert verify(seq, _tile_times_weight(0), x, w).refines
+  result = verify(seq, _tile_times_weight(1), x, w)
+  assert not result.refines and result.failure.op_name == "multiply"
+  assert ("it is a dynamic_slice (slice_sizes [4, 2], starting at 4, 8, 12, 0 along dim 0 at "
+          "dp = 0, 1, 2, 3: tile dp+1, another rank's tile?) of") in result.failure.diagnosis
