@@ -54,7 +54,8 @@ def test_names_and_metadata():
                                    "nll_max_not_reduced", "vocab_ids_not_offset",
                                    "norm_counts_replicas", "grad_not_divided",
                                    "microbatch_skipped", "output_misplaced", "stale_activation",
-                                   "wrong_model_chunk", "replicas_summed"}
+                                   "wrong_model_chunk", "replicas_summed",
+                                   "wrong_shard_offset"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "tp_vocab", "sp", "dp_tp", "cp", "dp_tp_cp", "dp_take"):
       for style in ("shard_map", "gspmd"):
@@ -82,6 +83,8 @@ def test_names_and_metadata():
     strategies.get(f"{model}/dp_pp_tp_interleaved_1f1b_indexed_grad/shard_map/ok")
     strategies.get(f"{model}/fsdp_tp_grad/gspmd/ok")
     strategies.get(f"{model}/fsdp_tp_grad/shard_map/ok")
+    strategies.get(f"{model}/zero_adamw/shard_map/ok")
+    strategies.get(f"{model}/zero_adamw/gspmd/ok")
   strategies.get("llama3/ep_capacity_grad/gspmd/ok")
   strategies.get("llama3/ep_top_k_grad/gspmd/ok")
   strategies.get("llama3/ep_tp_grad/shard_map/ok")

@@ -131,12 +131,17 @@ _DIAGNOSES: dict[str, str] = {
                                                    "skipped?)",
     "llama3/pp_gpipe/shard_map/microbatch_fed_late": "but never takes rows 3 (a microbatch "
                                                      "skipped?)",
+    "gpt2/zero_adamw/shard_map/param_tile_of_next_rank":
+        "starting at 16, 32, 48, 0 along dim 0 at dp = 0, 1, 2, 3: tile dp+1, another rank's "
+        "tile?",
 }
 
 # Where a bug's op is written: the model, or optax for the optimizer step's.
 _OPTAX_SUM = "optax/tree_utils/_tree_math.py"
 _SOURCE = {"llama3/dp_tp_adamw/shard_map/norm_counts_replicas": _OPTAX_SUM,
-           "gpt2/pp_adamw/shard_map/norm_counts_replicas": _OPTAX_SUM}
+           "gpt2/pp_adamw/shard_map/norm_counts_replicas": _OPTAX_SUM,
+           # (optax's add_decayed_weights: the first op meeting the wrong tile)
+           "gpt2/zero_adamw/shard_map/param_tile_of_next_rank": "optax/transforms/_adding.py"}
 
 
 def test_every_seeded_bug_has_its_diagnosis_words():
@@ -150,3 +155,17 @@ def test_seeded_model_bug_is_reported_at_its_op(case):
   assert result.failure.op_name == case.bug_primitive, result.failure.diagnosis
   assert result.failure.location.file.endswith(_SOURCE.get(case.name, "tools/zoo/models.py"))
   assert _DIAGNOSES[case.name] in result.failure.diagnosis
+
+
+def test_a_scale_bug_the_outputs_hide_is_reported():
+  """ZeRO's gradient tiles summed over the ranks, not averaged: 4 times too
+  large.  Global-norm clipping divides the factor out whenever it clips (and
+  Adam's update is unchanged by a common scale), so at these inputs every
+  output matches; it is a bug all the same (below the clipping threshold the
+  step differs), and the verifier reports it where the norm is taken."""
+  case = strategies._zero_case("gpt2", strategies.Config(), "shard_map", "grads_summed",
+                               divide=False, bug="grad_not_divided", bug_primitive="sqrt")
+  assert strategies.outputs_match(case) and strategies.outputs_match(case, seed=1)
+  result = _verify(case)
+  assert not result.refines and result.failure.op_name == "sqrt"
+  assert "16 times the sequential one" in result.failure.diagnosis

@@ -74,7 +74,7 @@ import numpy as np
 from jax import lax, shard_map
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tools.zoo import one_f_one_b, training
+from tools.zoo import one_f_one_b, training, zero
 from tools.zoo.cases import Case, mesh_of
 from tools.zoo.models import (MODELS, SEQUENTIAL, Config, Parallel, arg_shapes, base_name,
                               is_stacked, loss_fn, param_specs, repeat_kv, run_stack_in_order,
@@ -1057,6 +1057,24 @@ def _split_axes(spec: P) -> tuple[str, ...]:
                for a in (entry if isinstance(entry, tuple) else (entry,)))
 
 
+def _adamw_args(model, strategy, cfg, mesh, specs, state, state_specs):
+  """What every AdamW training step shares: the sequential step (plain optax),
+  its arguments, the per-device arguments (parameters as ``specs``, the
+  optimizer's state leaves as ``state_specs``) and the arguments drawn as
+  magnitudes (Adam's second moments)."""
+  n_params = len(specs) - 2
+  seq_fn = _named(training.train_step(_loss_and_grads(_seq_fn(model, cfg), n_params),
+                                      training.optimizer(), n_params, state.tree),
+                  _ident(model, strategy.name, "adamw_seq"))
+  seq_args = _seq_args(model, cfg) + [jax.ShapeDtypeStruct(l.shape, l.dtype)
+                                      for l in state.leaves]
+  dist_args = _dist_args(model, cfg, mesh, specs) + [
+      jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=NamedSharding(mesh, s))
+      for l, s in zip(state.leaves, state_specs)]
+  nonnegative = tuple(2 + n_params + i for i in state.second_moments)
+  return seq_fn, seq_args, dist_args, nonnegative
+
+
 def _adamw_case(model, strategy, cfg, style, variant="ok", clip=None, bug=None,
                 bug_primitive=None, check_vma=True) -> Case:
   """One training step as users run it (``training.py``): value_and_grad, optax's
@@ -1066,21 +1084,13 @@ def _adamw_case(model, strategy, cfg, style, variant="ok", clip=None, bug=None,
   transformation (default: the global norm rebuilt from the tiles)."""
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
-  n_params = len(param_specs(model, cfg))
   specs = _specs(model, strategy, cfg)
-  tx_seq = training.optimizer()
-  state = training.state_leaves(tx_seq, arg_shapes(model, cfg)[2:])
-  leaves, state_tree = state.leaves, state.tree
+  state = training.state_leaves(training.optimizer(), arg_shapes(model, cfg)[2:])
   state_specs = tuple(P() if i is None else specs[2 + i] for i in state.owners)
-  seq_fn = _named(training.train_step(_loss_and_grads(_seq_fn(model, cfg), n_params), tx_seq,
-                                      n_params, state_tree),
-                  _ident(model, strategy.name, "adamw_seq"))
-  seq_args = _seq_args(model, cfg) + [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in leaves]
-  dist_args = _dist_args(model, cfg, mesh, specs) + [
-      jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=NamedSharding(mesh, s))
-      for l, s in zip(leaves, state_specs)]
+  seq_fn, seq_args, dist_args, nonnegative = _adamw_args(model, strategy, cfg, mesh, specs,
+                                                         state, state_specs)
+  n_params, state_tree = len(specs) - 2, state.tree
   out_specs = (P(), tuple(specs[2:]), state_specs)
-  nonnegative = tuple(2 + n_params + i for i in state.second_moments)
   name = f"{model}/{strategy.name}_adamw/{style}/{variant}"
   if style == "gspmd":
     shard = lambda s: NamedSharding(mesh, s)
@@ -1097,6 +1107,51 @@ def _adamw_case(model, strategy, cfg, style, variant="ok", clip=None, bug=None,
                                           state_tree),
                       mesh=mesh, in_specs=specs + state_specs, out_specs=out_specs,
                       check_vma=check_vma)
+  return Case(name=name, seq_fn=seq_fn, dist_fn=dist_fn, seq_args=seq_args,
+              dist_args=dist_args, mesh=mesh, style="shard_map", bug=bug,
+              bug_primitive=bug_primitive, nonnegative_args=nonnegative)
+
+
+# ZeRO stages 1 and 2 (zero.py): data parallel on 4 ranks, parameters whole on
+# every rank, Adam's moments tiled over "dp" along each parameter's first dim
+# that 4 divides.
+ZERO = dataclasses.replace(_STRATEGIES["dp"], name="zero")
+
+
+def _zero_case(model, cfg, style, variant="ok", bug=None, bug_primitive=None,
+               **step_bug) -> Case:
+  """One AdamW step under ZeRO: the sequential step is ``_adamw_case``'s; the
+  per-device one reduce-scatters the gradients, updates its tiles and
+  all-gathers them (shard_map), or is that step jitted with the moments
+  sharded over "dp" and everything else replicated (GSPMD: XLA decides).
+  ``step_bug``: ``zero.zero_step``'s seeded bugs."""
+  cfg = _cfg(ZERO, cfg)
+  mesh = _mesh(ZERO.mesh_shape, ZERO.axis_names)
+  specs = _specs(model, ZERO, cfg)
+  shapes = [s for s, _ in arg_shapes(model, cfg)[2:]]
+  dims = zero.shard_dims(shapes, mesh.shape["dp"])
+  tiled = [P() if d is None else P(*([None] * d), "dp") for d in dims]
+  state = training.state_leaves(training.optimizer(), arg_shapes(model, cfg)[2:])
+  state_specs = tuple(P() if i is None else tiled[i] for i in state.owners)
+  seq_fn, seq_args, dist_args, nonnegative = _adamw_args(model, ZERO, cfg, mesh, specs,
+                                                         state, state_specs)
+  out_specs = (P(), tuple(specs[2:]), state_specs)
+  name = f"{model}/zero_adamw/{style}/{variant}"
+  if style == "gspmd":
+    shard = lambda s: NamedSharding(mesh, s)
+    return Case(name=name, seq_fn=seq_fn, dist_fn=seq_fn, seq_args=seq_args,
+                dist_args=dist_args, mesh=mesh, style="gspmd", bug=None, bug_primitive=None,
+                out_shardings=jax.tree.map(shard, out_specs),
+                in_shardings=tuple(shard(s) for s in specs + state_specs),
+                nonnegative_args=nonnegative)
+  tx = training.optimizer(training.clip_by_sharded_global_norm(
+      training.MAX_GRAD_NORM, [() if d is None else ("dp",) for d in dims]))
+  local = loss_fn(model, cfg, _dp_par(combine=lambda axis: jnp.mean),
+                  name=_ident(model, "zero_adamw"))
+  step = zero.zero_step(_loss_and_grads(local, len(shapes)), tx, len(shapes), state.tree,
+                        dims, "dp", **step_bug)
+  dist_fn = shard_map(step, mesh=mesh, in_specs=specs + state_specs, out_specs=out_specs,
+                      check_vma=False)  # (zero.py: an all-gather's result types as varying)
   return Case(name=name, seq_fn=seq_fn, dist_fn=dist_fn, seq_args=seq_args,
               dist_args=dist_args, mesh=mesh, style="shard_map", bug=bug,
               bug_primitive=bug_primitive, nonnegative_args=nonnegative)
@@ -1566,6 +1621,14 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_adamw_case(model, GPIPE, cfg, "shard_map"))
       built.append(_adamw_case(model, FSDP, cfg, "gspmd"))
     built.append(_adamw_case("llama3", EP, cfg, "gspmd"))
+    # ZeRO stages 1 and 2 (zero.py): the gradients reduce-scattered, each
+    # rank's tile of the parameters updated with its tile of Adam's moments,
+    # the tiles all-gathered.  The bug: each rank updates the next rank's tile.
+    for model in MODELS:
+      built.append(_zero_case(model, cfg, "shard_map"))
+      built.append(_zero_case(model, cfg, "gspmd"))
+    built.append(_zero_case("gpt2", cfg, "shard_map", "param_tile_of_next_rank", tile_shift=1,
+                            bug="wrong_shard_offset", bug_primitive="add"))
     # Gradient accumulation: each rank's batch in microbatches (slices), the
     # losses and gradients added up and divided by their number; the bug
     # forgets the division (every gradient that many times too large).
