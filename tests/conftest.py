@@ -33,3 +33,16 @@ def _release_compiled_programs():
   jax = sys.modules.get("jax")
   if jax is not None:
     jax.clear_caches()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the markers
+def pytest_collection_modifyitems(items):
+  """Under ``pytest -n 2 --dist loadgroup`` (pytest-xdist, the README's test
+  command), keep every test of one zoo program on one worker, so the
+  verification ``zoo_verdicts`` shares between test files is done once, not
+  once per worker that happens to get one of its tests."""
+  for item in items:
+    case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+    name = getattr(case, "name", None)
+    if isinstance(name, str):
+      item.add_marker(pytest.mark.xdist_group(name))
