@@ -46,6 +46,94 @@ def _scale_words(scale: float, mesh: ir.Mesh) -> str:
   return f"the distributed value is {inv:g} times the sequential one{hint}"
 
 
+# How far back a wrong factor is followed to where it began.
+_ORIGIN_DEPTH = 256
+_REDUCTIONS = ("all_reduce", "reduce_scatter")
+
+
+def _off_by_a_factor(inf, rels: list):
+  """The relation that says how a value is off.  A value off by a factor
+  relates, by a constant, to every per-device value computed from the same
+  source (``x / 16`` to the sum before the division too); the one that tells
+  is to the value computed last, nearest the op that reads it, and not a
+  partial sum (whose scale is each rank's share)."""
+  members = inf.deg.members()
+  scaled = [r for r in rels if not r.layout.is_clean()]
+  return max(scaled, key=lambda r: (not r.layout.partial,
+                                    max((d.id for d in members.get(r.cls, ())), default=-1)))
+
+
+def _ancestors(v: ir.Value) -> set[int]:
+  """The ids of ``v`` and every value it is computed from."""
+  seen, todo = {v.id}, [v]
+  while todo:
+    p = todo.pop().producer
+    for x in p.operands if p is not None else ():
+      if x.id not in seen:
+        seen.add(x.id)
+        todo.append(x)
+  return seen
+
+
+def _scale_origin_words(inf, v: ir.Value, start) -> str:
+  """'; it is off by a factor since the per-device %reduce_scatter.7 at
+  zero.py:59, where the distributed value is 4 times the sequential %591
+  (summed over 4 = |dp| ...)': a wrong factor fails where it first matters
+  (a nonlinear op, an output), often far from the op that made it (a norm in
+  the optimizer, for a gradient reduce-scattered without dividing).
+
+  Walked back in the per-device program from the value the failing op
+  reads, through values related to sequential ones only off by a factor
+  (their partial sums included: a rank's share of a mean is such a value in
+  a correct program too, until the reduction divides).  Where the walk
+  passes a reduction whose result is off by exactly the size of its axes,
+  that is the sum that was not divided (the last such, nearest the inputs:
+  the first place the factor could have been removed); else the walk's end,
+  the first value off by the factor."""
+  members = inf.deg.members()
+  by_class: dict = {}
+  for sid, rels in inf.relations.items():
+    for r in rels:
+      if sid >= 0:
+        by_class.setdefault(r.cls, []).append((sid, r))
+  feeding = _ancestors(v)
+  seq_ops = {r.id: op for op in inf.seq.walk() for r in op.results}
+
+  def off(d: ir.Value):
+    """(sequential id, relation) saying how ``d`` is off, or None if it
+    relates to some sequential value exactly (or to none).  Of the values it
+    relates to by a constant, one ``v`` is computed from and made by an op
+    of ``d``'s kind (``x / 4`` is 4 times ``mean(x)`` and a quarter of
+    ``sum(x)``: the mean's divide is what was meant)."""
+    rels = by_class.get(inf.deg.of(d), [])
+    if not rels or any(r.layout.is_clean() for _, r in rels):
+      return None
+    kind = d.producer.name if d.producer is not None else None
+    ranked = [(not r.layout.partial, sid in feeding,
+               getattr(seq_ops.get(sid), "name", None) == kind) for sid, r in rels]
+    return rels[ranked.index(max(ranked))]
+
+  here = next((d for d in reversed(members.get(start.cls, ())) if d.producer is not None), None)
+  walked, undivided = [], None
+  while here is not None and len(walked) < _ORIGIN_DEPTH and (found := off(here)):
+    walked.append(here)
+    p, r = here.producer, found[1]
+    axes = p.attrs.get("gg.axes") or ()
+    size = float(np.prod([inf.mesh.axis_size(a) for a in axes]))
+    if p.name in _REDUCTIONS and axes and not r.layout.partial \
+        and scales_equal(1.0 / r.layout.scale, size):
+      undivided = here
+    here = next((y for y in p.operands if y.producer is not None and off(y)), None)
+  origin = undivided or (walked[-1] if len(walked) > 1 else None)
+  if origin is None:
+    return ""
+  sid, r = off(origin)
+  return (f"; it is off by a factor since the per-device {_dname(origin)} at "
+          f"{origin.producer.location}, where "
+          + _scale_words(r.layout.scale, inf.mesh).replace("the sequential one",
+                                                           f"the sequential %{sid}", 1))
+
+
 def _collective_words(inf, cls: int, layout: Layout) -> Optional[str]:
   """What the per-device program does to a related value that breaks the relation."""
   for op in inf.users.get(cls, ()):
@@ -97,7 +185,9 @@ def _operand_problems(inf, op: ir.Op) -> list[str]:
                       f"{_axes(r.layout.partial)} that is never reduced before this "
                       f"{op.name} (missing all-reduce)")
     elif rels and all(not r.layout.is_clean() for r in rels):
-      problems.append(f"operand %{v.id}: {_scale_words(rels[0].layout.scale, inf.mesh)}")
+      off = _off_by_a_factor(inf, rels)
+      problems.append(f"operand %{v.id}: {_scale_words(off.layout.scale, inf.mesh)}"
+                      f"{_scale_origin_words(inf, v, off)}")
     problems.extend(collective)  # reduced, but wrongly: say how
   return problems
 
@@ -548,7 +638,8 @@ def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[La
       problems.append(f"output {i} is a partial {r.layout.partial_kind} over "
                       f"{_axes(r.layout.partial)} never reduced (missing all-reduce){scaled}")
     elif not r.layout.is_clean():
-      problems.append(f"output {i}: {_scale_words(r.layout.scale, inf.mesh)}")
+      problems.append(f"output {i}: {_scale_words(r.layout.scale, inf.mesh)}"
+                      f"{_scale_origin_words(inf, s, r)}")
     elif declared is not None and r.layout != declared:
       problems.append(f"output {i} is laid out as {r.layout.describe('out')} but the "
                       f"distributed module declares {declared.describe('out')}")

@@ -61,3 +61,28 @@ def test_a_slice_at_another_ranks_tile_is_named_with_its_offsets():
   assert not result.refines and result.failure.op_name == "multiply"
   assert ("it is a dynamic_slice (slice_sizes [4, 2], starting at 4, 8, 12, 0 along dim 0 at "
           "dp = 0, 1, 2, 3: tile dp+1, another rank's tile?) of") in result.failure.diagnosis
+
+
+def _scaled_mean(rows_counted):
+  """tanh(3 * the mean of x's rows), x's rows over "dp": the local sums
+  psum'd and divided by ``rows_counted`` (16 is right; 4, a rank's own rows,
+  is the wrong count)."""
+  def local(x):
+    mean = lax.psum(jnp.sum(x, axis=0), "dp") / rows_counted
+    return jnp.tanh(mean * 3)
+  return shard_map(local, mesh=mesh_of((4,), ("dp",)), in_specs=P("dp"), out_specs=P())
+
+
+def test_a_wrong_factor_is_traced_back_to_where_it_began():
+  x = jnp.arange(32.0).reshape(16, 2) / 40
+  seq = lambda x: jnp.tanh(jnp.mean(x, axis=0) * 3)
+  assert verify(seq, _scaled_mean(16), x).refines
+  result = verify(seq, _scaled_mean(4), x)
+  words = result.failure.diagnosis
+  assert not result.refines and result.failure.op_name == "tanh", words
+  # Reported at the tanh, where the factor matters, and traced to the mean's
+  # divide, where it began (the multiply by 3 in between keeps it).
+  assert "the distributed value is 4 times the sequential one" in words
+  assert "it is off by a factor since the per-device %divide." in words, words
+  assert "the distributed value is 4 times the sequential %" in words
+  assert "(summed over 4 = |dp| ranks without dividing" in words

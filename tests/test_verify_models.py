@@ -162,10 +162,16 @@ def test_a_scale_bug_the_outputs_hide_is_reported():
   large.  Global-norm clipping divides the factor out whenever it clips (and
   Adam's update is unchanged by a common scale), so at these inputs every
   output matches; it is a bug all the same (below the clipping threshold the
-  step differs), and the verifier reports it where the norm is taken."""
+  step differs), and the verifier reports it where the norm is taken, naming
+  the reduce-scatter the factor comes from."""
   case = strategies._zero_case("gpt2", strategies.Config(), "shard_map", "grads_summed",
                                divide=False, bug="grad_not_divided", bug_primitive="sqrt")
   assert strategies.outputs_match(case) and strategies.outputs_match(case, seed=1)
   result = _verify(case)
+  words = result.failure.diagnosis
   assert not result.refines and result.failure.op_name == "sqrt"
-  assert "16 times the sequential one" in result.failure.diagnosis
+  assert "16 times the sequential one" in words
+  # ... and traced back to the reduce-scatter that did not divide.
+  assert "it is off by a factor since the per-device %reduce_scatter." in words, words
+  assert "zoo/zero.py" in words and "4 times the sequential %" in words, words
+  assert "(summed over 4 = |dp| ranks without dividing" in words
