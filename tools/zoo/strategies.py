@@ -1075,6 +1075,17 @@ def _adamw_args(model, strategy, cfg, mesh, specs, state, state_specs):
   return seq_fn, seq_args, dist_args, nonnegative
 
 
+def _jitted_step_case(name, seq_fn, seq_args, dist_args, mesh, in_specs, out_specs,
+                      nonnegative) -> Case:
+  """The sequential training step itself, jitted with ``in_specs`` and
+  ``out_specs`` as shardings: XLA partitions it."""
+  shard = lambda s: NamedSharding(mesh, s)
+  return Case(name=name, seq_fn=seq_fn, dist_fn=seq_fn, seq_args=seq_args,
+              dist_args=dist_args, mesh=mesh, style="gspmd", bug=None, bug_primitive=None,
+              out_shardings=jax.tree.map(shard, out_specs),
+              in_shardings=tuple(shard(s) for s in in_specs), nonnegative_args=nonnegative)
+
+
 def _adamw_case(model, strategy, cfg, style, variant="ok", clip=None, bug=None,
                 bug_primitive=None, check_vma=True) -> Case:
   """One training step as users run it (``training.py``): value_and_grad, optax's
@@ -1093,12 +1104,8 @@ def _adamw_case(model, strategy, cfg, style, variant="ok", clip=None, bug=None,
   out_specs = (P(), tuple(specs[2:]), state_specs)
   name = f"{model}/{strategy.name}_adamw/{style}/{variant}"
   if style == "gspmd":
-    shard = lambda s: NamedSharding(mesh, s)
-    return Case(name=name, seq_fn=seq_fn, dist_fn=seq_fn, seq_args=seq_args,
-                dist_args=dist_args, mesh=mesh, style="gspmd", bug=None, bug_primitive=None,
-                out_shardings=jax.tree.map(shard, out_specs),
-                in_shardings=tuple(shard(s) for s in specs + state_specs),
-                nonnegative_args=nonnegative)
+    return _jitted_step_case(name, seq_fn, seq_args, dist_args, mesh, specs + state_specs,
+                             out_specs, nonnegative)
   split = [_split_axes(s) for s in specs[2:]]
   tx_dist = training.optimizer((clip or training.clip_by_sharded_global_norm)(
       training.MAX_GRAD_NORM, split))
@@ -1138,12 +1145,8 @@ def _zero_case(model, cfg, style, variant="ok", bug=None, bug_primitive=None,
   out_specs = (P(), tuple(specs[2:]), state_specs)
   name = f"{model}/zero_adamw/{style}/{variant}"
   if style == "gspmd":
-    shard = lambda s: NamedSharding(mesh, s)
-    return Case(name=name, seq_fn=seq_fn, dist_fn=seq_fn, seq_args=seq_args,
-                dist_args=dist_args, mesh=mesh, style="gspmd", bug=None, bug_primitive=None,
-                out_shardings=jax.tree.map(shard, out_specs),
-                in_shardings=tuple(shard(s) for s in specs + state_specs),
-                nonnegative_args=nonnegative)
+    return _jitted_step_case(name, seq_fn, seq_args, dist_args, mesh, specs + state_specs,
+                             out_specs, nonnegative)
   tx = training.optimizer(training.clip_by_sharded_global_norm(
       training.MAX_GRAD_NORM, [() if d is None else ("dp",) for d in dims]))
   local = loss_fn(model, cfg, _dp_par(combine=lambda axis: jnp.mean),
