@@ -51,13 +51,13 @@ _ORIGIN_DEPTH = 256
 _REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 
-def _off_by_a_factor(inf, rels: list):
+def _off_by_a_factor(rels: list, members: dict):
   """The relation that says how a value is off.  A value off by a factor
   relates, by a constant, to every per-device value computed from the same
   source (``x / 16`` to the sum before the division too); the one that tells
   is to the value computed last, nearest the op that reads it, and not a
-  partial sum (whose scale is each rank's share)."""
-  members = inf.deg.members()
+  partial sum (whose scale is each rank's share).  ``members``: the
+  per-device values of each class (``deg.members()``)."""
   scaled = [r for r in rels if not r.layout.is_clean()]
   return max(scaled, key=lambda r: (not r.layout.partial,
                                     max((d.id for d in members.get(r.cls, ())), default=-1)))
@@ -75,7 +75,7 @@ def _ancestors(v: ir.Value) -> set[int]:
   return seen
 
 
-def _scale_origin_words(inf, v: ir.Value, start) -> str:
+def _scale_origin_words(inf, v: ir.Value, start, members: dict) -> str:
   """'; it is off by a factor since the per-device %reduce_scatter.7 at
   zero.py:59, where the distributed value is 4 times the sequential %591
   (summed over 4 = |dp| ...)': a wrong factor fails where it first matters
@@ -90,7 +90,6 @@ def _scale_origin_words(inf, v: ir.Value, start) -> str:
   that is the sum that was not divided (the last such, nearest the inputs:
   the first place the factor could have been removed); else the walk's end,
   the first value off by the factor."""
-  members = inf.deg.members()
   by_class: dict = {}
   for sid, rels in inf.relations.items():
     for r in rels:
@@ -185,9 +184,10 @@ def _operand_problems(inf, op: ir.Op) -> list[str]:
                       f"{_axes(r.layout.partial)} that is never reduced before this "
                       f"{op.name} (missing all-reduce)")
     elif rels and all(not r.layout.is_clean() for r in rels):
-      off = _off_by_a_factor(inf, rels)
+      members = inf.deg.members()
+      off = _off_by_a_factor(rels, members)
       problems.append(f"operand %{v.id}: {_scale_words(off.layout.scale, inf.mesh)}"
-                      f"{_scale_origin_words(inf, v, off)}")
+                      f"{_scale_origin_words(inf, v, off, members)}")
     problems.extend(collective)  # reduced, but wrongly: say how
   return problems
 
@@ -294,7 +294,7 @@ def _offset_words(op: ir.Op, mesh: ir.Mesh) -> str:
   rank starts on each rank, read off the partition id ('' if it does not
   move).  A slice at the tile of another rank than its own is a classic
   shard-offset bug, and the offsets are what the reader has to check."""
-  from graphguard_hlo.passes.rank_arith import partition_id_table, per_coordinate
+  from graphguard_hlo.passes.rank_arith import moves_with_one_axis, tile_turn
   if op.name == "dynamic_slice":
     first, sizes = 1, tuple(op.attrs["slice_sizes"])
   elif op.name == "dynamic_update_slice":
@@ -302,19 +302,16 @@ def _offset_words(op: ir.Op, mesh: ir.Mesh) -> str:
   else:
     return ""
   for dim, start in enumerate(op.operands[first:]):
-    table = partition_id_table(start, mesh.size)
-    found = None if table is None or len(set(table.tolist())) < 2 else \
-        per_coordinate(table, mesh)
+    found = moves_with_one_axis(start, mesh)
     if found is None:
       continue
     axis, values = found
     n = len(values)
     words = (f"starting at {', '.join(map(str, values))} along dim {dim} at {axis} = "
              f"{', '.join(map(str, range(n)))}")
-    turn = next((j for j in range(1, n)
-                 if values == [((c + j) % n) * sizes[dim] for c in range(n)]), None)
+    turn = tile_turn(values, sizes[dim])
     return words + (f": tile {rotated_axis(axis, turn, n)}, another rank's tile?"
-                    if turn is not None else "")
+                    if turn else "")
   return ""
 
 
@@ -639,7 +636,7 @@ def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[La
                       f"{_axes(r.layout.partial)} never reduced (missing all-reduce){scaled}")
     elif not r.layout.is_clean():
       problems.append(f"output {i}: {_scale_words(r.layout.scale, inf.mesh)}"
-                      f"{_scale_origin_words(inf, s, r)}")
+                      f"{_scale_origin_words(inf, s, r, inf.deg.members())}")
     elif declared is not None and r.layout != declared:
       problems.append(f"output {i} is laid out as {r.layout.describe('out')} but the "
                       f"distributed module declares {declared.describe('out')}")

@@ -262,6 +262,25 @@ def per_coordinate(table: np.ndarray, mesh: ir.Mesh) -> Optional[tuple[str, list
   return None
 
 
+def moves_with_one_axis(v: ir.Value, mesh: ir.Mesh, memo: Optional[dict] = None
+                        ) -> Optional[tuple[str, list[int]]]:
+  """(x, values at r_x = 0 .. |x| - 1) of a scalar computed from the
+  partition id that takes at least two values and depends on the mesh
+  coordinate r_x alone (evaluated on every partition, wrapping and clamping
+  included); None otherwise."""
+  table = partition_id_table(v, mesh.size, memo)
+  if table is None or len(set(table.tolist())) < 2:
+    return None
+  return per_coordinate(table, mesh)
+
+
+def tile_turn(values: list[int], size: int) -> Optional[int]:
+  """j if ``values`` (an offset at r = 0 .. n - 1) are ``((r + j) mod n) *
+  size``: rank r's own tile (j = 0), or the tile of the rank j after it."""
+  n = len(values)
+  return next((j for j in range(n) if values == [((c + j) % n) * size for c in range(n)]), None)
+
+
 def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None,
                        aliases: Optional[dict] = None) -> Optional[np.ndarray]:
   """``v`` (an integer scalar) on each of the ``n`` partitions, if it is

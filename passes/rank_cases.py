@@ -43,7 +43,8 @@ import numpy as np
 from graphguard_hlo import ir
 from graphguard_hlo.passes import slabs
 from graphguard_hlo.passes.layout import Layout
-from graphguard_hlo.passes.rank_arith import broadcast_scalar, partition_id_table, per_coordinate
+from graphguard_hlo.passes.rank_arith import (broadcast_scalar, moves_with_one_axis,
+                                              partition_id_table, tile_turn)
 from graphguard_hlo.passes.terms import splat_value
 
 # How far back through buffer ops a read looks for a select on a rank predicate.
@@ -78,10 +79,7 @@ class RankCases:
     """(x, values at r_x = 0 .. |x| - 1) of a scalar that depends on the mesh
     coordinate r_x alone (evaluated on every partition, wrapping and
     clamping included)."""
-    table = partition_id_table(index, self.mesh.size, self._memo)
-    if table is None or len(set(table.tolist())) < 2:
-      return None
-    return per_coordinate(table, self.mesh)
+    return moves_with_one_axis(index, self.mesh, self._memo)
 
   def same_on_every_rank(self, index: ir.Value) -> Optional[int]:
     """The value of a scalar computed from the partition id that every
@@ -111,8 +109,7 @@ class RankCases:
   @staticmethod
   def _tile_offset(values: list[int], size: int) -> bool:
     """``((r + j) mod n) * size``: a layout (plain or turned), not cases."""
-    n = len(values)
-    return any(values == [((c + j) % n) * size for c in range(n)] for j in range(n))
+    return tile_turn(values, size) is not None
 
   def _guarded(self, op: ir.Op) -> bool:
     """Is the write kept only where a rank predicate says (``where(valid,
