@@ -22,7 +22,7 @@ from graphguard_hlo.relation_check import verify_and_check
 # (``strategies.model_cases()``, ``cases.all_cases()``), whose names are unique
 # (``test_models_numeric.test_names_and_metadata``,
 # ``test_zoo_numeric.test_names_unique_and_get_roundtrips``, and
-# ``test_names_do_not_clash`` below for the two lists together).
+# ``test_relation_check.test_names_do_not_clash`` for the two lists together).
 _OUTCOMES: dict[str, tuple] = {}
 
 
