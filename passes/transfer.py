@@ -43,6 +43,7 @@ from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import (RankArithmetic, broadcast_scalar,
                                               partition_id_table, per_coordinate, rank_symbol)
+from graphguard_hlo.passes.rank_tables import RankTables
 from graphguard_hlo.passes.zeros import ZeroFacts, covers
 from graphguard_hlo.passes.unit_dims import lower_lifted, only_unit_dims_change, unit_dim_lifts
 
@@ -97,6 +98,14 @@ class Transfer:
     self._users = None
     self._ring_writes: Optional[tuple[dict, dict]] = None
     self._zeros: Optional[ZeroFacts] = None
+    self._rank_tables: Optional[RankTables] = None
+
+  @property
+  def rank_tables(self) -> RankTables:
+    """Rank-by-rank tables (rank_tables.py), made on first use."""
+    if self._rank_tables is None:
+      self._rank_tables = RankTables(self.deg, self.mesh, self.users, self._tables)
+    return self._rank_tables
 
   @property
   def zeros(self) -> ZeroFacts:
@@ -163,6 +172,13 @@ class Transfer:
     """New relations for ``op``'s result, given ``S ~ layout of cls`` where S's
     tile has shape ``tile_shape`` (None: unknown)."""
     rule = getattr(self, f"_{op.name}", None)
+    if self.rank_tables.starts_at(op) and op.operands[0].shape == tile_shape and \
+        self.deg.of(op.operands[0]) == cls:
+      # GSPMD's own resharding (a half permute, a pad for uneven tiles):
+      # followed rank by rank until it reads as a layout again.
+      for out, new in self.rank_tables.walk(op, cls, layout, tile_shape):
+        if new.is_valid():
+          yield out, new, "rank-by-rank"
     if rule is None or not op.results:
       return
     if not layout.is_plain() and (layout.filled or op.name not in self._READ_ROTATED):

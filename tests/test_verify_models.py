@@ -23,14 +23,7 @@ _FLASH_BACKWARD = (
     "division sums dout v^T * exp(s - m) / l^2 over all keys, and no canonical form or "
     "lemma equates the two (rowsum((dout v^T) * p) = rowsum(dout * (p v)) reassociates "
     "a sum over the ring's keys into one over head dims)")
-_HALF_PERMUTE = (
-    "XLA reshards the logits' gradient for the head's weight gradient on its refined "
-    "2x2x2 mesh: a collective-permute only ranks a0=1 send on (ranks a0=1 receive zeros), "
-    "concatenated under the local value and sliced at row r_a1; a permute some ranks "
-    "receive nothing from keeps a relation only for pinned values, and the slice would "
-    "need rank cases over two axes (a0's pins, a1's rows)")
 KNOWN_UNPROVED: dict[str, str] = {
-    "llama3/fsdp_tp_grad/gspmd/ok": _HALF_PERMUTE,
     "gpt2/dp_tp_cp_scan_grad/shard_map/ok": _RESIDUALS_DIFFER,
     "llama3/dp_tp_cp_scan_grad/shard_map/ok": _RESIDUALS_DIFFER,
     "gpt2/ring_attention_vjp_grad/shard_map/ok": _FLASH_BACKWARD,
