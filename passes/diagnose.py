@@ -159,6 +159,8 @@ def _collective_words(inf, cls: int, layout: Layout) -> Optional[str]:
         return (f"{name} at {loc} concatenates shards along dim {k}, but the value is "
                 f"split over {_axes(axes)} along dim {split[0]} (shard concatenated on the "
                 f"wrong dim)")
+    if op.name == "collective_permute" and inf.transfer.rank_tables.starts_at(op):
+      continue  # a gather or reshard some ranks take no part in: said rank by rank
     if op.name == "collective_permute" and set(axes or ()) & layout.split_axes() \
         and not ring_shift(op, inf.mesh):
       pairs = op.attrs.get("source_target_pairs")
@@ -261,9 +263,10 @@ def _made_from_related(inf, dv: ir.Value, seq_of: dict, depth: int = 4) -> str:
       for x in path[-1].operands:
         found = seq_of.get(inf.deg.of(x))
         if found is not None:
-          if path[0].name in COLLECTIVES and len(path) == 1:
+          if path[0].name in COLLECTIVES and len(path) == 1 and \
+              not inf.transfer.rank_tables.starts_at(path[0]):
             return ""  # said by _collective_words, in the collective's own terms
-          return _path_words(path, x, *found, inf.mesh)
+          return _path_words(path, x, *found, inf.mesh) + _held_words(inf, path, x, *found, dv)
         if x.producer is not None and inf.deg.splat(inf.deg.of(x)) is None:
           grown.append(path + [x.producer])
     paths = grown[:16]
@@ -281,6 +284,27 @@ def _path_words(path: list, x: ir.Value, sid: int, r, mesh: ir.Mesh) -> str:
     return f": it is a {p.name}{attrs} of {source}"
   steps = ", ".join(_step_words(p, mesh) for p in reversed(path))
   return f": it is computed from {source}, by {steps}"
+
+
+_HELD_DEPTH = 8  # ops back from the value read, for what each rank holds
+
+
+def _held_words(inf, path: list, x: ir.Value, sid: int, r, dv: ir.Value) -> str:
+  """'; rank by rank it holds, on every rank: %1[0:8, 0:8] at [0:8, 0:8], ...':
+  where the ops from ``x`` to ``dv`` include a permute some ranks receive
+  nothing from (a gather or reshard written by hand or by XLA), what each
+  rank ends up holding (rank_tables.py), which is what the reader must check."""
+  tables = inf.transfer.rank_tables
+  cone, frontier = [], [dv]
+  for _ in range(_HELD_DEPTH):
+    frontier = [y for v in frontier if v.producer is not None for y in v.producer.operands]
+    cone += [v.producer for v in frontier if v.producer is not None]
+  if not any(tables.starts_at(p) for p in path + cone):
+    return ""
+  table = tables.table_of(dv, inf.deg.of(x), r.layout, x.shape, _HELD_DEPTH)
+  if table is None or all(held is None for held in table):
+    return ""
+  return f"; rank by rank it holds, {tables.describe(table, dv.shape, f'%{sid}')}"
 
 
 def _step_words(op: ir.Op, mesh: ir.Mesh) -> str:

@@ -47,6 +47,10 @@ _DIAGNOSES = {
     "dp_loss/shard_map/psum_not_pmean": "psum where pmean belongs",
     "dp_tp_mlp/shard_map/wrong_replica_groups": "wrong replica groups",
     "sp_allgather_mlp/shard_map/wrong_gather_dim": "wrong dim",
+    # Rank 0 got rank 3's one tile (rows 12:16) where rank 2's two belong.
+    "dp_tree_gather/shard_map/wrong_tree_sender":
+        "rank by rank it holds, on every rank: %1[0:8, 0:8] at [0:8, 0:8], "
+        "%1[12:16, 0:8] at [8:12, 0:8], zeros elsewhere",
     "sp_rmsnorm/shard_map/swapped_shards": "permuted between ranks",
     "tp_heads/shard_map/wrong_transpose": "it is a transpose (permutation [1, 2, 0])",
     "dp_cumsum/shard_map/cumsum_wrong_axis": "window_dimensions [4, 1] where [1, 8]",

@@ -328,6 +328,25 @@ def _vocab_parallel_embedding_local(first=0):
   return local
 
 
+def rows_seq(x, w):
+  return jnp.tanh(x @ w)
+
+
+def _tree_gather_local(second_sender=2):
+  """An all-gather written by hand: rows over dp gathered to rank 0 by a
+  binomial tree of ppermutes (ranks 1 and 3 send to 0 and 2, then 2 sends its
+  two tiles to 0; the other ranks receive zeros), then broadcast by a masked
+  psum.  ``second_sender`` 3 is the bug: rank 0 gets rank 3's one tile where
+  rank 2's two belong."""
+  def local(x, w):
+    pairs = lax.ppermute(x, "dp", [(1, 0), (3, 2)])
+    buf = jnp.concatenate([x, pairs])
+    buf = jnp.concatenate([buf, lax.ppermute(buf, "dp", [(second_sender, 0)])])
+    whole = lax.psum(jnp.where(lax.axis_index("dp") == 0, buf, 0.0), "dp")
+    return jnp.tanh(whole @ w)
+  return local
+
+
 def _gather_hidden_then_reshape(x):
   """The bug: gather along hidden, then reshape to the shape the seq gather
   would have produced.  Types check; rows come out interleaved by device."""
@@ -402,6 +421,10 @@ _PROGRAMS = {p.name: p for p in [
              ((16,), (8, 4)),
              (P(), P("tp", None)),
              P(), (4,), ("tp",)),
+    _Program("dp_tree_gather", rows_seq,
+             ((16, 8), (8, 8)),
+             (P("dp", None), P()),
+             P(), (4,), ("dp",)),
     _Program("sp_allgather_mlp", mlp_seq,
              ((32, 32), (32, 64), (64,), (64, 32), (32,)),
              (P("tp", None), P(None, "tp"), P("tp"), P("tp", None), P()),
@@ -478,6 +501,10 @@ def _variants() -> list[_Variant]:
       # No rank looks up the first of its rows (id 0 among them).
       V("vocab_parallel_embedding", _vocab_parallel_embedding_local(first=1),
         "first_row_masked", "tile_mask_off_by_one", "gather"),
+      V("dp_tree_gather", _tree_gather_local()),
+      # Rank 0 holds rows 0:8 and 12:16, zeros where rows 8:12 belong.
+      V("dp_tree_gather", _tree_gather_local(second_sender=3), "wrong_tree_sender",
+        "wrong_permutation", "dot_general"),
       V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_seq)),
       # Rows reach x @ w1 permuted, so the first matmul is already wrong.
       V("sp_allgather_mlp", _sp_allgather_mlp_local(_gather_hidden_then_reshape),
