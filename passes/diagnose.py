@@ -185,13 +185,44 @@ def _operand_problems(inf, op: ir.Op) -> list[str]:
       problems.append(f"operand %{v.id} is only known as a partial {r.layout.partial_kind} over "
                       f"{_axes(r.layout.partial)} that is never reduced before this "
                       f"{op.name} (missing all-reduce)")
-    elif rels and all(not r.layout.is_clean() for r in rels):
+    elif rels and all(not r.layout.is_clean() for r in rels) and \
+        not _constant_applied_elsewhere(inf, v, rels):
       members = inf.deg.members()
       off = _off_by_a_factor(rels, members)
       problems.append(f"operand %{v.id}: {_scale_words(off.layout.scale, inf.mesh)}"
                       f"{_scale_origin_words(inf, v, off, members)}")
     problems.extend(collective)  # reduced, but wrongly: say how
   return problems
+
+
+def _constant_applied_elsewhere(inf, v: ir.Value, rels: list, depth: int = 3) -> bool:
+  """``v = s * c`` (or ``s / c``) relates to what ``s`` relates to, scaled by
+  c, until the per-device program applies c too.  If that is all ``v``
+  relates by, and the per-device program does apply c a few ops after a
+  value ``s`` relates to (weight decay on a parameter's tile, say) but gets
+  no value related to ``v``, the scale is no evidence of a wrong factor: the
+  per-device product differs for another reason, said by the other words."""
+  p = v.producer
+  if p is None or p.name not in ("multiply", "divide") or len(p.operands) != 2 or \
+      not all(r.how.startswith("scale-by-constant") for r in rels):
+    return False
+  constants = {inf.splats.get(x.id) for x in p.operands} - {None}
+  if len(constants) != 1:
+    return False
+  (c,) = constants
+  related = {r.cls for r in rels}
+  frontier = set(related)
+  for _ in range(depth):
+    reached = set()
+    for cls in frontier:
+      for d_op in inf.users.get(cls, ()):
+        if d_op.name == p.name and inf.deg.of(d_op.results[0]) not in related and any(
+            (k := inf.deg.splat(inf.deg.of(x))) is not None and scales_equal(k, c)
+            for x in d_op.operands):
+          return True
+        reached |= {inf.deg.of(r) for r in d_op.results}
+    frontier = reached
+  return False
 
 
 def _related(inf, op: ir.Op) -> dict:

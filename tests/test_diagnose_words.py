@@ -63,6 +63,31 @@ def test_a_slice_at_another_ranks_tile_is_named_with_its_offsets():
           "dp = 0, 1, 2, 3: tile dp+1, another rank's tile?) of") in result.failure.diagnosis
 
 
+def _decayed_tile(turn):
+  """x tiled over "dp" plus 0.01 times rank r's tile ``r + turn`` of a
+  replicated w (weight decay on ZeRO's parameter tile; right when ``turn`` is 0)."""
+  def local(x, w):
+    rows = x.shape[0]
+    start = ((lax.axis_index("dp") + turn) % lax.axis_size("dp")) * rows
+    return jnp.tanh(x + 0.01 * lax.dynamic_slice_in_dim(w, start, rows, 0))
+  return shard_map(local, mesh=mesh_of((4,), ("dp",)), in_specs=(P("dp"), P()),
+                   out_specs=P("dp"))
+
+
+def test_a_constant_the_per_device_program_applies_is_no_wrong_factor():
+  """0.01 * w relates to the replica w by a factor of 0.01 until the
+  per-device program multiplies too; it does, on the wrong tile.  The words
+  name the tile, not a factor of 100."""
+  x, w = jnp.arange(32.0).reshape(16, 2) / 40, jnp.arange(32.0).reshape(16, 2)
+  seq = lambda x, w: jnp.tanh(x + 0.01 * w)
+  assert verify(seq, _decayed_tile(0), x, w).refines
+  result = verify(seq, _decayed_tile(1), x, w)
+  words = result.failure.diagnosis
+  assert not result.refines and result.failure.op_name == "add", words
+  assert "times the sequential one" not in words, words
+  assert "tile dp+1, another rank's tile?" in words, words
+
+
 def _scaled_mean(rows_counted):
   """tanh(3 * the mean of x's rows), x's rows over "dp": the local sums
   psum'd and divided by ``rows_counted`` (16 is right; 4, a rank's own rows,
