@@ -1,15 +1,17 @@
 """The words diagnose.py puts on a wrong scale (the factor, and every mesh
 axis whose size it is: a layout's scale does not say which collective made
 it, so naming one of several same-size axes would point at the wrong one),
-and on a slice taken at another rank's tile (the offsets on each rank)."""
+on a slice taken at another rank's tile (the offsets on each rank), and on
+what each rank holds where a value is followed rank by rank."""
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import jax
 import jax.numpy as jnp
 from jax import lax, shard_map
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from graphguard_hlo import ir
 from graphguard_hlo.api import verify
@@ -111,3 +113,24 @@ def test_a_wrong_factor_is_traced_back_to_where_it_began():
   assert "it is off by a factor since the per-device %divide." in words, words
   assert "the distributed value is 4 times the sequential %" in words
   assert "(summed over 4 = |dp| ranks without dividing" in words
+
+
+def test_an_uneven_sharding_is_not_proved_and_each_ranks_columns_are_shown():
+  """30 columns over 4 ranks: XLA pads w to 32 and each rank slices 8, the
+  last one 6 real columns and 2 zeros.  A layout's tiles are equal, so this
+  is not proved (never "refines" on a guess); the report says, rank by rank,
+  which columns each holds."""
+  mesh = mesh_of((4,), ("tp",))
+
+  def f(x, w):
+    h = jnp.tanh(x @ w)
+    h = lax.with_sharding_constraint(h, NamedSharding(mesh, P(None, "tp")))
+    return h @ w.T
+  replicated = NamedSharding(mesh, P())
+  x = jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=replicated)
+  w = jax.ShapeDtypeStruct((8, 30), jnp.float32, sharding=replicated)
+  result = verify(f, jax.jit(f, out_shardings=replicated), x, w)
+  words = result.failure.diagnosis
+  assert not result.refines, words
+  assert "rank by rank it holds, at a0 = 0: %2[0:8, 0:8] at [0:8, 0:8]" in words, words
+  assert "at a0 = 3: %2[0:8, 24:30] at [0:8, 0:6], zeros elsewhere" in words, words
