@@ -322,15 +322,21 @@ _HELD_DEPTH = 8  # ops back from the value read, for what each rank holds
 
 def _held_words(inf, path: list, x: ir.Value, sid: int, r, dv: ir.Value) -> str:
   """'; rank by rank it holds, on every rank: %1[0:8, 0:8] at [0:8, 0:8], ...':
-  where the ops from ``x`` to ``dv`` include a permute some ranks receive
-  nothing from (a gather or reshard written by hand or by XLA), what each
-  rank ends up holding (rank_tables.py), which is what the reader must check."""
+  where ``dv`` is computed (a few ops back) through a permute some ranks
+  receive nothing from or a zero pad (a gather or reshard written by hand or
+  by XLA), what each rank ends up holding of the sequential %sid that ``x``
+  relates to (rank_tables.py): that is what the reader must check."""
   tables = inf.transfer.rank_tables
-  cone, frontier = [], [dv]
+  seq_value = next((v for v in inf.seq.params if v.id == sid), None) or next(
+      (v for op in inf.seq.walk() for v in op.results if v.id == sid), None)
+  if seq_value is None or r.layout.local_shape(seq_value.shape, inf.mesh) != x.shape:
+    return ""  # (x holds the tile with other unit dims: boxes would not line up)
+  cone, frontier = {}, [dv]
   for _ in range(_HELD_DEPTH):
-    frontier = [y for v in frontier if v.producer is not None for y in v.producer.operands]
-    cone += [v.producer for v in frontier if v.producer is not None]
-  if not any(tables.starts_at(p) for p in path + cone):
+    ops = {id(v.producer): v.producer for v in frontier if v.producer is not None}
+    cone.update(ops)
+    frontier = list({y.id: y for op in ops.values() for y in op.operands}.values())
+  if not any(tables.starts_at(p) for p in path + list(cone.values())):
     return ""
   table = tables.table_of(dv, inf.deg.of(x), r.layout, x.shape, _HELD_DEPTH)
   if table is None or all(held is None for held in table):

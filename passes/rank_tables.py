@@ -1,5 +1,5 @@
-"""Rank tables: what each rank holds, rank by rank, where GSPMD reshards a
-value through collectives no layout speaks of.
+"""Rank tables: what each rank holds, rank by rank, where a value is
+resharded or gathered through collectives no layout speaks of.
 
 To move a value tiled over one mesh axis onto a tiling over others, XLA's
 partitioner sometimes writes a small program of its own: a collective-permute
@@ -27,9 +27,16 @@ rank with some coordinates pinned, the others zero or unknown) holds a whole
 tile at the offsets a mesh tiling gives, the table is read back as a
 ``Layout`` and the ordinary rules take over.
 
+The same steps serve a gather written by hand: a binomial tree of ppermutes
+(half the ranks send, then a quarter) leaves rank 0 with the whole value and
+the others with parts, a pinned layout.  A diagnosis reads a table too: it
+says which part of S each rank ends up holding (``describe``).
+
 Tables are as large as the mesh, so they are only built from a permute some
-rank receives nothing from, on meshes of at most ``MAX_RANKS`` partitions, and
-only for ``MAX_STEPS`` ops after it: a local detour, not a second engine.
+rank receives nothing from, or a pad with zeros, on meshes of at most
+``MAX_RANKS`` partitions (in iota device order), and only for ``MAX_STEPS``
+ops after it (an operand not reached is computed at most ``MAX_PULL`` ops
+back): a local detour, not a second engine.
 """
 
 from __future__ import annotations

@@ -174,8 +174,9 @@ class Transfer:
     rule = getattr(self, f"_{op.name}", None)
     if self.rank_tables.starts_at(op) and op.operands[0].shape == tile_shape and \
         self.deg.of(op.operands[0]) == cls:
-      # GSPMD's own resharding (a half permute, a pad for uneven tiles):
-      # followed rank by rank until it reads as a layout again.
+      # A reshard or gather some ranks take no part in (XLA's half permute,
+      # a tree of ppermutes, a pad): followed rank by rank until it reads
+      # as a layout again.
       for out, new in self.rank_tables.walk(op, cls, layout, tile_shape):
         if new.is_valid():
           yield out, new, "rank-by-rank"
