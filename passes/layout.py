@@ -150,6 +150,11 @@ class Layout:
       out.append(size // n)
     return tuple(out)
 
+  def whole_shape(self, tile: Iterable[int], mesh: Mesh) -> tuple[int, ...]:
+    """The sequential shape whose tile is ``tile`` (``local_shape``'s inverse)."""
+    return tuple(n * math.prod(mesh.axis_size(a) for a in axes)
+                 for n, axes in zip(tile, self.dims))
+
   def with_(self, **kw) -> "Layout":
     return dataclasses.replace(self, **kw)
 

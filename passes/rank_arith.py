@@ -321,12 +321,14 @@ def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None,
     else:
       args = [partition_id_table(a, n, memo, aliases) for a in op.operands]
       if all(a is not None for a in args):
-        out = _apply(op.name, args)
+        out = apply_table_op(op.name, args)
   memo[v.id] = out
   return out
 
 
-def _apply(name: str, args: list[np.ndarray]) -> Optional[np.ndarray]:
+def apply_table_op(name: str, args: list[np.ndarray]) -> Optional[np.ndarray]:
+  """An elementwise op of ``_TABLE_OPS`` on per-partition values (None on a
+  division by zero)."""
   if len(args) == 1:
     return {"negate": np.negative, "abs": np.abs, "sign": np.sign}.get(name, lambda a: a)(args[0])
   a, b = args

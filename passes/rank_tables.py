@@ -52,14 +52,18 @@ import numpy as np
 from graphguard_hlo import ir
 from graphguard_hlo.reference import COMPARISONS
 from graphguard_hlo.passes.dist_egraph import DistEGraph
-from graphguard_hlo.passes.layout import Layout
-from graphguard_hlo.passes.rank_arith import partition_id_table
+from graphguard_hlo.passes.layout import Layout, tile_index
+from graphguard_hlo.passes.rank_arith import apply_table_op, partition_id_table
 
 MAX_RANKS = 64
 MAX_STEPS = 8
 MAX_PULL = 3  # ops back from a followed value, for an operand not followed
 
 Box = tuple[tuple[int, int], ...]  # half-open [lo, hi) per dim
+# Elementwise ops a per-partition predicate is read through (rank_arith's
+# evaluator), by arity.
+_ELEMENTWISE = {"add": 2, "subtract": 2, "multiply": 2, "divide": 2, "remainder": 2,
+                "maximum": 2, "minimum": 2, "and": 2, "or": 2, "negate": 1, "abs": 1}
 MAX_PIECES = 16  # per rank: more, and the rank's entry is given up (None)
 
 
@@ -204,15 +208,11 @@ class RankTables:
     """From ``S ~ layout of cls`` (``cls`` read by ``op``), follow ``op`` and
     the ops after it rank by rank; yield (class, layout) wherever a table
     reads back as a layout."""
-    whole = self.whole_shape(layout, tile)
+    whole = layout.whole_shape(tile, self.mesh)
     for out, table, shape in self.follow(op, cls, layout, tile):
       found = self._as_layout(table, shape, whole)
       if found is not None:
         yield out, found
-
-  def whole_shape(self, layout: Layout, tile: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(t * math.prod(self.mesh.axis_size(a) for a in axes)
-                 for t, axes in zip(tile, layout.dims))
 
   def follow(self, op: ir.Op, cls: int, layout: Layout, tile: tuple[int, ...]
              ) -> Iterator[tuple[int, Table, tuple[int, ...]]]:
@@ -241,23 +241,20 @@ class RankTables:
   def _leaf(self, l: Layout, tile: tuple[int, ...]) -> Optional[Table]:
     if not l.is_plain() or l.partial or not l.is_clean():
       return None
-    pins = dict(l.at)
-    axis_at = {a: i for i, (a, _) in enumerate(self.mesh.axes)}
     whole_tile = tuple((0, t) for t in tile)
     table: Table = []
     for r in range(self.mesh.size):
-      c = self._coords[r]
-      if any(c[axis_at[a]] != v for a, v in pins.items()):
+      coord = self._coord(r)
+      if not l.holds_at(coord):
         table.append(() if l.zero_elsewhere else None)
         continue
-      shift = []
-      for t, axes in zip(tile, l.dims):
-        index = 0
-        for a in axes:
-          index = index * self.mesh.axis_size(a) + int(c[axis_at[a]])
-        shift.append(index * t)
-      table.append((Piece(whole_tile, tuple(shift)),))
+      shift = tuple(tile_index(axes, coord, self.mesh) * t for t, axes in zip(tile, l.dims))
+      table.append((Piece(whole_tile, shift),))
     return table
+
+  def _coord(self, r: int) -> dict[str, int]:
+    """Partition ``r``'s mesh coordinates, by axis name."""
+    return {a: int(c) for (a, _), c in zip(self.mesh.axes, self._coords[r])}
 
   def _as_layout(self, table: Table, shape: tuple[int, ...], whole: tuple[int, ...]
                  ) -> Optional[Layout]:
@@ -277,10 +274,10 @@ class RankTables:
     if len(holding) * math.prod(self.mesh.axis_size(a) for a in pins) != self.mesh.size:
       return None  # not every rank at the pinned coordinates
     free = [a for a in names if a not in pins and self.mesh.axis_size(a) > 1]
-    shifts = np.array([table[r][0].shift for r in holding])
+    coords = [self._coord(r) for r in holding]
     dims: list[tuple[str, ...]] = []
     for k, (t, n) in enumerate(zip(shape, whole)):
-      axes = self._tiling(shifts[:, k], held, t, n, free, names)
+      axes = self._tiling([table[r][0].shift[k] for r in holding], coords, t, n, free)
       if axes is None:
         return None
       free = [a for a in free if a not in axes]
@@ -290,21 +287,16 @@ class RankTables:
     zero_elsewhere = bool(pins) and all(h == () for h in others)
     return Layout(tuple(dims), at=tuple(sorted(pins.items())), zero_elsewhere=zero_elsewhere)
 
-  def _tiling(self, shift, held, tile: int, whole: int, free: list[str], names: list[str]
-              ) -> Optional[tuple[str, ...]]:
-    """The mesh axes (major to minor) whose mixed-radix index times ``tile``
-    is ``shift`` at every holding rank, covering ``whole``."""
+  def _tiling(self, shifts: list[int], coords: list[dict], tile: int, whole: int,
+              free: list[str]) -> Optional[tuple[str, ...]]:
+    """The mesh axes (major to minor) whose tile index times ``tile`` is the
+    shift at every holding rank (``coords``), covering ``whole``."""
     if whole % tile:
       return None
-    count = whole // tile
     for n_axes in range(len(free) + 1):
       for axes in itertools.permutations(free, n_axes):
-        if math.prod(self.mesh.axis_size(a) for a in axes) != count:
-          continue
-        index = np.zeros(len(shift), dtype=np.int64)
-        for a in axes:
-          index = index * self.mesh.axis_size(a) + held[:, names.index(a)]
-        if np.array_equal(index * tile, shift):
+        if math.prod(self.mesh.axis_size(a) for a in axes) * tile == whole and all(
+            tile_index(axes, c, self.mesh) * tile == shift for c, shift in zip(coords, shifts)):
           return tuple(axes)
     return None
 
@@ -321,8 +313,7 @@ class RankTables:
       if len(groups) == 1:
         where = "on every rank"
       else:
-        coords = [tuple(int(self._coords[r][[a for a, _ in self.mesh.axes].index(n)])
-                        for n in names) for r in ranks]
+        coords = [tuple(self._coord(r)[a] for a in names) for r in ranks]
         text = [str(c[0]) if len(c) == 1 else str(c) for c in coords[:limit]]
         more = ", ..." if len(coords) > limit else ""
         where = f"at {', '.join(names) if len(names) == 1 else '(' + ', '.join(names) + ')'}" \
@@ -472,7 +463,6 @@ class RankTables:
     if op.name == "compare":
       holds = COMPARISONS.get(op.attrs.get("comparison_direction"))
       return None if holds is None else np.asarray(holds(*args), dtype=np.int64)
-    ops = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply,
-           "and": np.bitwise_and, "or": np.bitwise_or, "maximum": np.maximum,
-           "minimum": np.minimum}
-    return ops[op.name](*args) if op.name in ops and len(args) == 2 else None
+    if op.name not in _ELEMENTWISE or len(args) != _ELEMENTWISE[op.name]:
+      return None
+    return apply_table_op(op.name, args)

@@ -204,8 +204,7 @@ class Transfer:
     the relation read over the value's dims, the result's read back over the
     tile's, kept only if the result again equals its tile up to unit dims."""
     result = op.results[0].shape
-    whole = [n * math.prod(self.mesh.axis_size(a) for a in axes)
-             for n, axes in zip(tile, layout.dims)]
+    whole = layout.whole_shape(tile, self.mesh)
     for where, lifted in unit_dim_lifts(layout, tile, held):
       for new in rule(op, cls, lifted) or ():
         if new is None or not new.is_valid():
