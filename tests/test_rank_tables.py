@@ -23,7 +23,7 @@ from graphguard_hlo.passes.layout import Layout, assemble, shard
 from graphguard_hlo.passes.rank_arith import RankArithmetic
 from graphguard_hlo.passes.rank_tables import RankTables
 from graphguard_hlo.passes.transfer import Transfer
-from tests.layout_draws import meshes
+from tests.layout_draws import axis_slots, meshes
 from tests.test_transfer import SETTINGS, Hits, Program, ranks
 
 # -- building the per-device program --------------------------------------------------------
@@ -118,16 +118,9 @@ def draw_step(draw, prog: Program, v: ir.Value) -> ir.Value:
 @st.composite
 def plain_layouts(draw, mesh: ir.Mesh, rank: int) -> Layout:
   """Each axis tiles a dim, is pinned at a coordinate, or is replicated."""
-  dims: list[list[str]] = [[] for _ in range(rank)]
-  pins = []
-  for a in draw(st.permutations(mesh.axis_names)):
-    slot = draw(st.sampled_from(list(range(rank)) + ["pin", None]))
-    if slot == "pin":
-      pins.append((a, draw(st.integers(0, mesh.axis_size(a) - 1))))
-    elif slot is not None:
-      dims[slot].append(a)
-  return Layout(tuple(map(tuple, dims)), at=tuple(pins),
-                zero_elsewhere=bool(pins) and draw(st.booleans()))
+  dims, pinned = axis_slots(draw, mesh, rank, "pin")
+  pins = tuple((a, draw(st.integers(0, mesh.axis_size(a) - 1))) for a in pinned)
+  return Layout(dims, at=pins, zero_elsewhere=bool(pins) and draw(st.booleans()))
 
 
 def tables_of(prog: Program):

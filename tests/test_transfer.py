@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from graphguard_hlo import ir, reference
-from tests.layout_draws import meshes, tiles
+from tests.layout_draws import axis_slots, meshes, tiles
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.layout import Layout, assemble, shard, spread_extrema
 from graphguard_hlo.passes.rank_arith import RankArithmetic
@@ -38,16 +38,8 @@ SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
 
 def draw_layout(draw, mesh: ir.Mesh, rank: int) -> Layout:
   """Each mesh axis tiles some dim, is partial, or is replicated; random order."""
-  dims: list[list[str]] = [[] for _ in range(rank)]
-  part = []
-  for a in draw(st.permutations(mesh.axis_names)):
-    slot = draw(st.sampled_from(list(range(rank)) + ["partial", None]))
-    if slot == "partial":
-      part.append(a)
-    elif slot is not None:
-      dims[slot].append(a)
-  return Layout(tuple(map(tuple, dims)), tuple(part), draw(st.sampled_from(KINDS)),
-                draw(st.sampled_from(SCALES)))
+  dims, part = axis_slots(draw, mesh, rank, "partial")
+  return Layout(dims, tuple(part), draw(st.sampled_from(KINDS)), draw(st.sampled_from(SCALES)))
 
 
 def draw_size(draw, n_tiles: int) -> int:
