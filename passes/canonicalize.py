@@ -7,6 +7,7 @@ canonicalizer, a few local patterns rewrite both graphs to one normal form
 before anything is compared:
 
   reshape(x) to x's shape                 -> x        (also broadcast, convert, copy, slice)
+  reduce_precision(x) to x's own format   -> x
   reshape that only inserts unit dims     -> broadcast_in_dim(x)
   reshape(reshape(x))                     -> reshape(x)
   reshape of a unit-dims-only broadcast   -> x, when the shape is x's
@@ -35,6 +36,9 @@ before anything is compared:
   dot(a, b), b first by its dims          -> transpose(dot(b, a))   (rings only)
   the online softmax, telescoped          (online_softmax.py; rings only)
   (p / l) @ v                             -> (p @ v) / l            (rings only)
+  optimization_barrier(x, y, ...)         -> x, y, ...  (jax.checkpoint's fence
+                                             orders XLA's scheduling; on values
+                                             it is the identity)
 
 Each is an identity of the ops' semantics (tested in tests/test_canonicalize.py).
 """
@@ -59,6 +63,19 @@ def _identity_shape_op(module, graph, op) -> Optional[ir.Value]:
       if op.name != "broadcast_in_dim" or tuple(op.attrs["broadcast_dimensions"]) == tuple(
           range(x.type.rank)):
         return x
+  return None
+
+
+# (exponent, mantissa) bits of each float type: reduce_precision to these keeps
+# every value (jax.checkpoint's policies mark a saved value with one).
+_NATIVE_PRECISION = {"f32": (8, 23), "bf16": (8, 7), "f16": (5, 10), "f64": (11, 52)}
+
+
+def _reduce_precision_to_own(module, graph, op) -> Optional[ir.Value]:
+  if op.name == "reduce_precision" and len(op.operands) == 1 and \
+      _NATIVE_PRECISION.get(op.operands[0].type.dtype) == (
+          op.attrs.get("exponent_bits"), op.attrs.get("mantissa_bits")):
+    return op.operands[0]
   return None
 
 
@@ -590,7 +607,7 @@ def _slab_forms(module, graph, op) -> Optional[ir.Value]:
 
 
 PATTERNS: tuple[Pattern, ...] = (
-    _identity_shape_op, _reshape_inserting_units, _reshape_of_reshape,
+    _identity_shape_op, _reduce_precision_to_own, _reshape_inserting_units, _reshape_of_reshape,
     _reshape_of_unit_broadcast, _broadcast_of_broadcast, _transpose_of_transpose,
     _transpose_of_unit_dims,
     _transpose_through_all_reduce,
@@ -642,6 +659,10 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph, rings: bool = False,
   graph.slices = {}  # type: ignore[attr-defined]  # (slabs._sliced)
   for op in graph.ops:
     op.operands = [replace.get(v.id, v) for v in op.operands]
+    if op.name == "optimization_barrier":
+      replace.update((r.id, x) for r, x in zip(op.results, op.operands))
+      rewrites += 1
+      continue
     for region in op.regions:
       rewrites += canonicalize_graph(module, region, rings, extra)
     current = op
@@ -672,7 +693,7 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph, rings: bool = False,
   return rewrites
 
 
-_SIDE_EFFECTS = {"custom_call", "outfeed", "infeed", "send", "recv", "optimization_barrier"}
+_SIDE_EFFECTS = {"custom_call", "outfeed", "infeed", "send", "recv"}
 
 
 def _without_dead_ops(ops: list[ir.Op], results: list[ir.Value]) -> list[ir.Op]:

@@ -458,3 +458,25 @@ def test_nested_selects_sharing_a_branch_become_one(outer_side, shared):
   assert [op.name for op in g.ops].count("select") == 1, [op.name for op in g.ops]
   for c, want in zip(cases, before):
     np.testing.assert_array_equal(run(c), want)
+
+
+@pytest.mark.parametrize("dtype,bits,folds", [
+    ("f32", (8, 23), True), ("bf16", (8, 7), True), ("f16", (5, 10), True),
+    ("f32", (8, 7), False), ("f32", (5, 10), False), ("bf16", (5, 7), False)])
+def test_reduce_precision_to_its_own_format_is_the_identity(dtype, bits, folds):
+  """A checkpoint policy marks saved values with a reduce_precision that
+  changes nothing; one to a narrower format rounds, and stays."""
+  m, g = _graph([_t(4, dtype=dtype)])
+  g.results = [_op(m, g, "reduce_precision", [g.params[0]], _t(4, dtype=dtype),
+                   exponent_bits=bits[0], mantissa_bits=bits[1])]
+  canonicalize_graph(m, g)
+  assert (g.results[0] is g.params[0]) == folds
+
+
+def test_optimization_barrier_passes_its_operands_through():
+  m, g = _graph([_t(4), _t(2, dtype="i32")])
+  barrier = m.add_op(g, "optimization_barrier", list(g.params), [_t(4), _t(2, dtype="i32")])
+  g.results = [_op(m, g, "negate", [barrier.results[0]], _t(4)), barrier.results[1]]
+  canonicalize_graph(m, g)
+  assert [op.name for op in g.ops] == ["negate"]
+  assert g.ops[0].operands[0] is g.params[0] and g.results[1] is g.params[1]
