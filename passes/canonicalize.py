@@ -749,10 +749,18 @@ def _drop_dead_ops(g: ir.Graph) -> None:
 
 def canonicalize_module(module: ir.Module, rings: bool = False) -> int:
   from graphguard_hlo.passes.loop_copies import forward_stacked_copies
+  from graphguard_hlo.passes.loop_constants import sink_constant_carries
+  from graphguard_hlo.passes.remat import rematerialize_saved_rows
   rewrites = 0
   for g in module.functions.values():
     rewrites += canonicalize_graph(module, g, rings)
     if forward_stacked_copies(module, g):
       rewrites += 1
+      _drop_dead_ops(g)
+    # Loop normal forms; the ops they copy meet the ops around them (a
+    # recomputed row's unit dims, a sunk mask), so the patterns run again.
+    loops = sink_constant_carries(module, g) + rematerialize_saved_rows(module, g)
+    if loops:
+      rewrites += loops + canonicalize_graph(module, g, rings)
       _drop_dead_ops(g)
   return rewrites

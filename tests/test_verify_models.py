@@ -12,11 +12,6 @@ from tools.zoo import strategies
 CASES = strategies.model_cases()
 
 # Correct programs the engine cannot prove yet, with the reason.
-_RESIDUALS_DIFFER = (
-    "jax's scan saves different residuals for the backward pass in the two programs: "
-    "the sequential scan stacks a tp-split projection per layer, the per-device scan "
-    "(with the cp all-gathers in its body) stacks layernorm's centred input instead, so "
-    "one stacked residual has no per-device counterpart")
 _FLASH_BACKWARD = (
     "the hand-written backward computes each block's softmax gradient as "
     "p * (dout v^T - rowsum(dout * out)); the sequential autodiff of the softmax's "
@@ -24,8 +19,6 @@ _FLASH_BACKWARD = (
     "lemma equates the two (rowsum((dout v^T) * p) = rowsum(dout * (p v)) reassociates "
     "a sum over the ring's keys into one over head dims)")
 KNOWN_UNPROVED: dict[str, str] = {
-    "gpt2/dp_tp_cp_scan_grad/shard_map/ok": _RESIDUALS_DIFFER,
-    "llama3/dp_tp_cp_scan_grad/shard_map/ok": _RESIDUALS_DIFFER,
     "gpt2/ring_attention_vjp_grad/shard_map/ok": _FLASH_BACKWARD,
     "llama3/ring_attention_vjp_grad/shard_map/ok": _FLASH_BACKWARD,
 }
