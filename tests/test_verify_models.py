@@ -105,6 +105,7 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/dp_tp_ring_attention/shard_map/ring_over_wrong_axis": "(wrong axis?)",
     "gpt2/ring_attention/shard_map/output_not_rescaled": "a rescale forgotten?",
     "llama3/tp_scan/shard_map/missing_allreduce": "(missing all-reduce)",
+    "llama3/tp_scan_remat_grad/shard_map/missing_allreduce": "(missing all-reduce)",
     "gpt2/tp_grad/shard_map/double_counted_grad": "psum where pmean belongs?",
     "gpt2/dp_grad/shard_map/grad_not_allreduced": "never reduced (missing all-reduce)",
     "llama3/dp_grad/shard_map/grad_not_allreduced": "never reduced (missing all-reduce)",

@@ -185,9 +185,17 @@ class Parallel:
   # (base name, a layer's weight as held) -> the weight the layer computes
   # with: FSDP all-gathers its shard here, inside the layer (and the scan).
   layer_weight: Callable = lambda name, w: w
+  # Under ``Config.scan_layers``: the scanned layer wrapped in ``jax.checkpoint``
+  # (remat) with this policy, a name in ``REMAT_POLICIES``; None: no remat.
+  remat: Optional[str] = None
 
 
 SEQUENTIAL = Parallel()
+
+# jax.checkpoint policies by name: save nothing but the layer's input (full
+# remat), or the matmuls' outputs too (recompute only the cheap elementwise ops).
+REMAT_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 # --------------------------------------------------------------------------
@@ -275,6 +283,8 @@ def _run_layers(h, p: dict, cfg: Config, layer: Callable, par: Parallel):
   def body(h, ws):
     return layer(h, gathering(lambda n: ws[n])), None
 
+  if par.remat is not None:
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[par.remat])
   return lax.scan(body, h, stacked)[0]
 
 

@@ -1040,6 +1040,17 @@ def _scanned(strategy: _Strategy) -> _Strategy:
                              cfg_overrides=strategy.cfg_overrides + (("scan_layers", True),))
 
 
+def _remat(scanned: _Strategy, policy: str, par: Optional[Callable[[], Parallel]] = None
+           ) -> _Strategy:
+  """A scanned strategy whose per-device layer runs under ``jax.checkpoint``
+  with ``policy`` (``models.REMAT_POLICIES``); the sequential program keeps
+  its activations.  ``par``: the per-device hooks (default: the strategy's)."""
+  hooks = par or scanned.par
+  suffix = "_remat" if policy == "nothing" else f"_remat_{policy}"
+  return dataclasses.replace(scanned, name=scanned.name + suffix,
+                             par=lambda: dataclasses.replace(hooks(), remat=policy))
+
+
 SGD_LEARNING_RATE = np.float32(0.1)
 
 
@@ -1594,6 +1605,17 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built.append(_shard_map_case("llama3", scan_tp, cfg, "missing_allreduce",
                                _tp_par(reduce_attn=_no_reduce), "missing_allreduce", "add",
                                check_vma=False))
+  # The scanned layer under jax.checkpoint in the per-device program only: its
+  # backward recomputes the layer from the saved input, the sequential one
+  # reads saved activations (passes/remat.py brings both to one form).
+  if grad:
+    for model in MODELS:
+      for strategy, policy in ((_STRATEGIES["tp"], "nothing"), (_STRATEGIES["tp"], "dots"),
+                               (_STRATEGIES["dp_tp_cp"], "nothing")):
+        built.append(_shard_map_grad_case(model, _remat(_scanned(strategy), policy), cfg))
+    built.append(_shard_map_grad_case(
+        "llama3", _remat(scan_tp, "nothing", lambda: _tp_par(reduce_attn=_no_reduce)), cfg,
+        "missing_allreduce", check_vma=False, bug="missing_allreduce", bug_primitive="add"))
   if grad:
     for model in MODELS:
       for strategy in _STRATEGIES.values():
