@@ -106,7 +106,7 @@ def test_a_reversed_scan_is_left_alone_and_still_right(monkeypatch):
 # -- near misses, by hand --------------------------------------------------------
 
 def _save_then_read(first=0, last=L, write=lambda i: i, row=lambda x, w, i: jnp.tanh(x @ w),
-                    read_whole=False, normalized=True):
+                    read_whole=False, normalized=True, weight_row=lambda k: k):
   """A forward loop saving row i = row(x_i, W[i], i) and the carry x_i, and a
   second loop reading the saved rows back in reverse; with the near misses."""
   def f(x, w1, w2):
@@ -127,7 +127,7 @@ def _save_then_read(first=0, last=L, write=lambda i: i, row=lambda x, w, i: jnp.
       if read_whole:
         return acc + jnp.sum(saved, axis=0) @ w2[k]
       t = lax.dynamic_index_in_dim(saved, k, 0, keepdims=False)
-      return acc + t @ w2[k] + lax.dynamic_index_in_dim(xs, k, 0, keepdims=False)
+      return acc + t @ w2[weight_row(k)] + lax.dynamic_index_in_dim(xs, k, 0, keepdims=False)
     return lax.fori_loop(0, L, backward, y)
   return f
 
@@ -226,20 +226,20 @@ def test_a_missing_all_reduce_under_remat_is_reported_in_the_layer():
   assert result.failure.op_name == "add", result.failure
 
 
-def test_a_row_read_at_the_wrong_layer_is_reported():
-  """The second loop reads saved row k but weights of layer L-1-k: still
-  wrong after the rows are recomputed."""
-  def wrong(x, w1, w2):
-    f = _save_then_read()
-    return f(x, w1, w2[::-1])
-  seq = _save_then_read()
-  dist = shard_map(wrong, mesh=MESH, in_specs=(P(), P(), P()), out_specs=P())
+def test_a_row_read_with_another_layers_weights_is_reported_there():
+  """The second loop reads saved row k with the weights of layer k + 1: still
+  wrong once the rows are recomputed, and reported in that loop."""
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(MESH, P()))
           for a in (X, W1, W2)]
-  assert api.verify(seq, jax.jit(shard_map(seq, mesh=MESH, in_specs=(P(), P(), P()),
-                                           out_specs=P())), *args).refines
-  result = api.verify(seq, jax.jit(dist), *args)
+  seq = _save_then_read()
+
+  def dist(fn):
+    return jax.jit(shard_map(fn, mesh=MESH, in_specs=(P(), P(), P()), out_specs=P()))
+  assert api.verify(seq, dist(seq), *args).refines
+  result = api.verify(seq, dist(_save_then_read(weight_row=lambda k: (k + 1) % L)), *args)
   assert not result.refines
+  line = next(i for i, text in enumerate(open(__file__), 1) if "t @ w2[weight_row(k)]" in text)
+  assert result.failure.location.line == line, result.failure
 
 
 @pytest.mark.parametrize("checkpointed", ["seq", "dist"])
