@@ -219,6 +219,15 @@ def test_scan_trained_with_or_without_remat_is_proved(seq_policy, dist_policy):
   assert result.refines, result
 
 
+@pytest.mark.parametrize("seq_policy,dist_policy", [("none", "nothing"), ("nothing", "nothing")])
+def test_scan_trained_with_remat_is_proved_under_gspmd(seq_policy, dist_policy):
+  """XLA partitions the remat'd program: its barriers and recomputed rows too."""
+  dist = jax.jit(_grads(policy=dist_policy),
+                 out_shardings=tuple(NamedSharding(MESH, s) for s in SPECS))
+  result = api.verify(_grads(policy=seq_policy), dist, *_args())
+  assert result.refines, result
+
+
 def test_a_missing_all_reduce_under_remat_is_reported_in_the_layer():
   result = api.verify(_grads(), jax.jit(_tp_grads("nothing", reduce=False)), *_args())
   assert not result.refines
