@@ -1,0 +1,18 @@
+"""The zoo benchmark's comparison of two runs (the timing itself is a benchmark, not a test)."""
+
+import json
+
+from tools import bench_zoo
+
+
+def test_compare_gives_each_ratio_their_median_and_verdict_changes(tmp_path, capsys):
+  before, after = tmp_path / "before.json", tmp_path / "after.json"
+  before.write_text(json.dumps({"a": [True, 2.0], "b": [False, 1.0], "c": [True, 4.0],
+                                "gone": [True, 1.0]}))
+  after.write_text(json.dumps({"a": [True, 1.0], "b": [True, 1.5], "c": [True, 1.0],
+                               "new": [True, 1.0]}))
+  bench_zoo.main(["--compare", str(before), str(after)])
+  out = capsys.readouterr().out.splitlines()
+  assert [line.split()[0] for line in out[:3]] == ["a", "b", "c"]
+  assert "x 0.50" in out[0] and "x 1.50  (proved now)" in out[1] and "x 0.25" in out[2]
+  assert out[3] == "3 programs: median ratio 0.50 (min 0.25, max 1.50)"
