@@ -832,15 +832,24 @@ def _named(fn, name: str) -> Callable:
   return named
 
 
-def _grad_case(model, strategy, cfg) -> Case:
+def _grad_case(model, strategy, cfg, remat: Optional[str] = None) -> Case:
+  """GSPMD's training step: the sequential loss and gradients, jitted with
+  shardings.  ``remat``: the per-device program's scanned layer runs under
+  ``jax.checkpoint`` with this policy (``models.REMAT_POLICIES``)."""
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _specs(model, strategy, cfg)
-  seq_fn = _named(_loss_and_grads(_seq_fn(model, cfg), len(param_specs(model, cfg))),
+  n_params = len(param_specs(model, cfg))
+  seq_fn = _named(_loss_and_grads(_seq_fn(model, cfg), n_params),
                   _ident(model, strategy.name, "grad"))
+  dist_fn, name = seq_fn, strategy.name
+  if remat is not None:
+    name += "_remat" if remat == "nothing" else f"_remat_{remat}"
+    dist_fn = _named(_loss_and_grads(loss_fn(model, cfg, dataclasses.replace(
+        SEQUENTIAL, remat=remat)), n_params), _ident(model, name, "grad"))
   shard = lambda s: NamedSharding(mesh, s)
-  return Case(name=f"{model}/{strategy.name}_grad/gspmd/ok", seq_fn=seq_fn,
-              dist_fn=seq_fn, seq_args=_seq_args(model, cfg),
+  return Case(name=f"{model}/{name}_grad/gspmd/ok", seq_fn=seq_fn,
+              dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
               dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
               style="gspmd", bug=None, bug_primitive=None,
               out_shardings=(shard(P()), tuple(shard(s) for s in specs[2:])),
@@ -1616,6 +1625,12 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_shard_map_grad_case(
         "llama3", _remat(scan_tp, "nothing", lambda: _tp_par(reduce_attn=_no_reduce)), cfg,
         "missing_allreduce", check_vma=False, bug="missing_allreduce", bug_primitive="add"))
+    # GSPMD's training step with scanned layers, with and without remat (XLA
+    # partitions the checkpointed program; its saved stacks differ again).
+    for model in MODELS:
+      for strategy in (_STRATEGIES["tp"], _STRATEGIES["sp"]):
+        built.append(_grad_case(model, _scanned(strategy), cfg))
+      built.append(_grad_case(model, _scanned(_STRATEGIES["tp"]), cfg, remat="nothing"))
   if grad:
     for model in MODELS:
       for strategy in _STRATEGIES.values():
