@@ -12,6 +12,8 @@ weights.  This pass replaces uses of such a loop result by the stacked input:
 
 with ``W`` a carry the body passes through unchanged, ``N == W.shape[0]``, the
 slice one full row of ``W`` and ``units`` only dropping or inserting unit dims.
+An index may also be jax's normalization of ``i``, ``select(i < 0, i + N, i)``
+(a hand-written ``fori_loop``'s), which is ``i`` for 0 <= i < N.
 Every row 0..N-1 of ``acc`` is overwritten with the same row of ``W``, so the
 loop result is ``W`` whatever ``acc`` started as.
 
@@ -71,6 +73,23 @@ def counter_of(loop: ir.Op) -> Optional[tuple[int, int]]:
   return i, int(n)
 
 
+def at_counter(v: ir.Value, counter: ir.Value, n: int) -> bool:
+  """``v`` is the counter (0 <= i < n in the body), as it is or as jax's
+  index normalization ``select(i < 0, i + n, i)`` spells it."""
+  if v is counter:
+    return True
+  op = v.producer
+  if op is None or op.name != "select" or op.operands[2] is not counter:
+    return False
+  test, wrapped = op.operands[0].producer, op.operands[1].producer
+  return (test is not None and test.name == "compare"
+          and test.attrs.get("comparison_direction") == "LT"
+          and test.operands[0] is counter and terms.splat_value(test.operands[1]) == 0
+          and wrapped is not None and wrapped.name == "add"
+          and {id(x) for x in wrapped.operands} >= {id(counter)}
+          and any(terms.splat_value(x) == n for x in wrapped.operands))
+
+
 def _through_unit_dims(v: ir.Value) -> ir.Value:
   """Back through reshapes and increasing broadcasts that only change unit dims."""
   while v.producer is not None and only_unit_dims_change(
@@ -108,7 +127,7 @@ def _copied_input(loop: ir.Op, k: int, counter: int, n: int
   if tuple(ds.attrs["slice_sizes"]) != (1, *w.shape[1:]):
     return None
   for idx in (starts, ds_starts):
-    if idx[0] is not body.params[counter] or any(
+    if not at_counter(idx[0], body.params[counter], n) or any(
         _splat(loop, body, s) != 0 for s in idx[1:]):
       return None
   return src, gather

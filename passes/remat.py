@@ -43,7 +43,7 @@ from graphguard_hlo import ir
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.loop_edits import (NOT_COPIED, add_carry, clone_op, drop_dead_carries,
                                               invariant, replace_uses, used_ids)
-from graphguard_hlo.passes.loop_copies import counter_of
+from graphguard_hlo.passes.loop_copies import at_counter, counter_of
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 
 
@@ -67,30 +67,13 @@ def _zero(v: ir.Value) -> bool:
   return terms.splat_value(v) == 0
 
 
-def _at_counter(v: ir.Value, counter: ir.Value, n: int) -> bool:
-  """``v`` is the counter (0 <= i < n in the body), as it is or as jax's
-  index normalization ``select(i < 0, i + n, i)`` spells it."""
-  if v is counter:
-    return True
-  op = v.producer
-  if op is None or op.name != "select" or op.operands[2] is not counter:
-    return False
-  test, wrapped = op.operands[0].producer, op.operands[1].producer
-  return (test is not None and test.name == "compare"
-          and test.attrs.get("comparison_direction") == "LT"
-          and test.operands[0] is counter and _zero(test.operands[1])
-          and wrapped is not None and wrapped.name == "add"
-          and {id(x) for x in wrapped.operands} >= {id(counter)}
-          and any(terms.splat_value(x) == n for x in wrapped.operands))
-
-
 def _is_row_slice(op: ir.Op, stack: ir.Value, index: Optional[ir.Value],
                   counter: Optional[ir.Value] = None) -> bool:
   """``op`` is ``dynamic_slice(stack, [index, 0, ...])`` of one whole row (or,
   given ``counter``, at the counter)."""
   at = op.operands[1] if op.operands[1:] else None
   where = (at is index) if counter is None else (
-      at is not None and _at_counter(at, counter, stack.shape[0]))
+      at is not None and at_counter(at, counter, stack.shape[0]))
   return (op.name == "dynamic_slice" and op.operands[0] is stack
           and where and stack not in op.operands[1:]
           and all(_zero(s) for s in op.operands[2:])
@@ -106,7 +89,7 @@ def _saved_rows(loop: ir.Op, counter: int, n: int) -> dict[int, ir.Value]:
     if dus is None or dus.name != "dynamic_update_slice" or dus.operands[0] is not body.params[k]:
       continue
     stack, update, first, *rest = dus.operands
-    if _at_counter(first, body.params[counter], n) and all(_zero(s) for s in rest) and \
+    if at_counter(first, body.params[counter], n) and all(_zero(s) for s in rest) and \
         stack.shape[:1] == (n,) and update.shape == (1, *stack.shape[1:]):
       out[k] = update
   return out

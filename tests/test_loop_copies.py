@@ -19,14 +19,15 @@ def _scan_ys(w):
   return lax.scan(lambda c, x: (c, x), 0.0, w)[1] * 2.0
 
 
-def _copy(first=0, last=3, read=lambda i: i, write=lambda i: i):
-  """The same loop by hand, with the near misses it must not be confused with."""
+def _copy(first=0, last=3, read=lambda i: i, write=lambda i: i, normalized=False):
+  """The same loop by hand, with the near misses it must not be confused with
+  (``normalized``: indices as jax normalizes them, ``select(i < 0, i + 3, i)``)."""
   def f(w):
     def body(carry):
       i, acc = carry
-      row = lax.dynamic_slice_in_dim(w, read(i), 1, axis=0, allow_negative_indices=False)
+      row = lax.dynamic_slice_in_dim(w, read(i), 1, axis=0, allow_negative_indices=normalized)
       return i + 1, lax.dynamic_update_slice_in_dim(acc, row, write(i), axis=0,
-                                                   allow_negative_indices=False)
+                                                   allow_negative_indices=normalized)
     _, out = lax.while_loop(lambda c: c[0] < last, body, (first, jnp.zeros_like(w)))
     return out * 2.0
   return f
@@ -38,7 +39,8 @@ def _reads_input_directly(fn) -> bool:
   return mul.operands[0] is g.params[0] or mul.operands[1] is g.params[0]
 
 
-@pytest.mark.parametrize("fn", [_scan_ys, _copy()], ids=["scan_ys", "while_loop"])
+@pytest.mark.parametrize("fn", [_scan_ys, _copy(), _copy(normalized=True)],
+                         ids=["scan_ys", "while_loop", "normalized_indices"])
 def test_copying_loop_is_its_input(fn):
   assert _reads_input_directly(fn)
 
@@ -48,7 +50,8 @@ def test_copying_loop_is_its_input(fn):
     _copy(first=1),                                 # nor the first
     _copy(read=lambda i: (i + 1) % 3),              # rows rotated
     _copy(write=lambda i: 2 - i),                   # rows reversed
-], ids=["short", "late_start", "rotated", "reversed"])
+    _copy(last=2, normalized=True),                 # short, indices normalized
+], ids=["short", "late_start", "rotated", "reversed", "short_normalized"])
 def test_near_misses_are_left_alone(fn):
   assert not _reads_input_directly(fn)
 
