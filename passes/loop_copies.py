@@ -90,7 +90,7 @@ def at_counter(v: ir.Value, counter: ir.Value, n: int) -> bool:
           and any(terms.splat_value(x) == n for x in wrapped.operands))
 
 
-def _through_unit_dims(v: ir.Value) -> ir.Value:
+def through_unit_dims(v: ir.Value) -> ir.Value:
   """Back through reshapes and increasing broadcasts that only change unit dims."""
   while v.producer is not None and only_unit_dims_change(
       v.producer.name, v.producer.attrs, v.producer.operands[0].type, v.type):
@@ -107,12 +107,12 @@ def _copied_input(loop: ir.Op, k: int, counter: int, n: int
   if dus is None or dus.name != "dynamic_update_slice" or dus.operands[0] is not body.params[k]:
     return None
   update, *starts = dus.operands[1:]
-  row = _through_unit_dims(update)
+  row = through_unit_dims(update)
   gather = None
   if row.producer is not None and row.producer.name == "all_gather" and \
       len(row.producer.operands) == 1:
     gather = row.producer
-    row = _through_unit_dims(gather.operands[0])
+    row = through_unit_dims(gather.operands[0])
   ds = row.producer
   if ds is None or ds.name != "dynamic_slice":
     return None

@@ -99,8 +99,8 @@ def drop_dead_carries(loop: ir.Op, used_outside: set[int]) -> int:
     if grown == live:
       break
     live = grown
-  dropped = len(loop.results) - len(live)
-  if not dropped:
+  carries = len(loop.results)
+  if len(live) == carries:
     return 0
   keep = sorted(live)
   loop.operands = [loop.operands[j] for j in keep]
@@ -109,9 +109,9 @@ def drop_dead_carries(loop: ir.Op, used_outside: set[int]) -> int:
     r.index = i
   for region in (cond, body):
     region.params = [region.params[j] for j in keep]
-    if len(region.param_attrs) == len(loop.regions[1].results):
+    if len(region.param_attrs) == carries:
       region.param_attrs = [region.param_attrs[j] for j in keep]
-    if len(region.param_locations) == len(loop.regions[1].results):
+    if len(region.param_locations) == carries:
       region.param_locations = [region.param_locations[j] for j in keep]
   body.results = [body.results[j] for j in keep]
-  return dropped
+  return carries - len(keep)

@@ -39,12 +39,12 @@ from typing import Optional
 
 import numpy as np
 
-from graphguard_hlo import ir
+from graphguard_hlo import ir, reference
 from graphguard_hlo.passes import terms
+from graphguard_hlo.passes.canonicalize import _fresh
 from graphguard_hlo.passes.loop_edits import (NOT_COPIED, add_carry, clone_op, drop_dead_carries,
                                               invariant, replace_uses, used_ids)
-from graphguard_hlo.passes.loop_copies import at_counter, counter_of
-from graphguard_hlo.passes.unit_dims import only_unit_dims_change
+from graphguard_hlo.passes.loop_copies import at_counter, counter_of, through_unit_dims
 
 
 @dataclasses.dataclass
@@ -67,16 +67,11 @@ def _zero(v: ir.Value) -> bool:
   return terms.splat_value(v) == 0
 
 
-def _is_row_slice(op: ir.Op, stack: ir.Value, index: Optional[ir.Value],
-                  counter: Optional[ir.Value] = None) -> bool:
-  """``op`` is ``dynamic_slice(stack, [index, 0, ...])`` of one whole row (or,
-  given ``counter``, at the counter)."""
-  at = op.operands[1] if op.operands[1:] else None
-  where = (at is index) if counter is None else (
-      at is not None and at_counter(at, counter, stack.shape[0]))
+def _is_row_slice(op: ir.Op, stack: ir.Value) -> bool:
+  """``op`` is ``dynamic_slice(stack, [j, 0, ...])`` of one whole row (the
+  callers say which ``j``)."""
   return (op.name == "dynamic_slice" and op.operands[0] is stack
-          and where and stack not in op.operands[1:]
-          and all(_zero(s) for s in op.operands[2:])
+          and stack not in op.operands[1:] and all(_zero(s) for s in op.operands[2:])
           and tuple(op.attrs.get("slice_sizes", ())) == (1, *stack.shape[1:]))
 
 
@@ -93,14 +88,6 @@ def _saved_rows(loop: ir.Op, counter: int, n: int) -> dict[int, ir.Value]:
         stack.shape[:1] == (n,) and update.shape == (1, *stack.shape[1:]):
       out[k] = update
   return out
-
-
-def _unit_source(v: ir.Value) -> ir.Value:
-  """Back through reshapes and broadcasts that only change unit dims."""
-  while v.producer is not None and only_unit_dims_change(
-      v.producer.name, v.producer.attrs, v.producer.operands[0].type, v.type):
-    v = v.producer.operands[0]
-  return v
 
 
 def _recipe(loop: ir.Op, update: ir.Value, counter: int, n: int,
@@ -139,7 +126,8 @@ def _recipe(loop: ir.Op, update: ir.Value, counter: int, n: int,
       continue  # captured from outside the loop: the same value everywhere
     source = op.operands[0] if op.operands else None
     if source is not None and source.id in params and invariant(body, params[source.id]) \
-        and source.shape[:1] == (n,) and _is_row_slice(op, source, None, body.params[counter]):
+        and source.shape[:1] == (n,) and _is_row_slice(op, source) \
+        and at_counter(op.operands[1], body.params[counter], n):
       rows[v.id] = (loop.operands[params[source.id]], v)
       continue
     if op.name in NOT_COPIED:
@@ -158,7 +146,7 @@ def _rows_of(saved: dict[int, ir.Value]) -> dict[int, int]:
   out: dict[int, int] = {}
   for k, update in saved.items():
     out.setdefault(update.id, k)
-    out.setdefault(_unit_source(update).id, k)
+    out.setdefault(through_unit_dims(update).id, k)
   return out
 
 
@@ -171,7 +159,7 @@ def _recipes(module: ir.Module, graph: ir.Graph, loop: ir.Op, counter: int, n: i
     return {}
   body = loop.regions[1]
   params = {p.id: j for j, p in enumerate(body.params) if not invariant(body, j)}
-  as_is = {params[_unit_source(u).id] for u in saved.values() if _unit_source(u).id in params}
+  as_is = {params[through_unit_dims(u).id] for u in saved.values() if through_unit_dims(u).id in params}
   carries: set[int] = set()
   for update in saved.values():
     carries |= _recipe(loop, update, counter, n, {})[1]
@@ -180,10 +168,10 @@ def _recipes(module: ir.Module, graph: ir.Graph, loop: ir.Op, counter: int, n: i
   for j in sorted(carries - as_is - set(saved)):
     _save_carry(module, graph, loop, j, counter, n)
   saved = _saved_rows(loop, counter, n)
-  rows_of = _rows_of({k: u for k, u in saved.items() if _unit_source(u).id in params})
+  rows_of = _rows_of({k: u for k, u in saved.items() if through_unit_dims(u).id in params})
   out = {}
   for k, update in saved.items():
-    if _unit_source(update).id not in params:
+    if through_unit_dims(update).id not in params:
       recipe, _ = _recipe(loop, update, counter, n, rows_of)
       if recipe is not None:
         out[k] = recipe
@@ -194,20 +182,12 @@ def _recipes(module: ir.Module, graph: ir.Graph, loop: ir.Op, counter: int, n: i
 
 def _constant(module: ir.Module, dtype: str, value, location) -> ir.Op:
   from graphguard_hlo.loaders.stablehlo import _HashableArray
-  arr = np.asarray(value, dtype=_NUMPY.get(dtype, "float32"))
+  try:
+    arr = np.asarray(reference.cast(np.asarray(value), dtype))
+  except NotImplementedError:  # (formats numpy has no type for, kept in f32)
+    arr = np.asarray(value, np.float32)
   arr.setflags(write=False)
-  return _new(module, "constant", [], {"value": _HashableArray(arr)},
-              ir.TensorType((), dtype), location)
-
-
-_NUMPY = {"i32": "int32", "i64": "int64", "ui32": "uint32", "ui64": "uint64", "f32": "float32",
-          "f64": "float64", "pred": "bool", "i1": "bool"}
-
-
-def _new(module, name, operands, attrs, type_, location) -> ir.Op:
-  op = ir.Op(name, list(operands), dict(attrs), [], location)
-  op.results = [module.new_value(type_, op, 0)]
-  return op
+  return _fresh(module, "constant", [], {"value": _HashableArray(arr)}, (), dtype, location)
 
 
 def _view(module: ir.Module, loop: ir.Op, outer: ir.Value) -> ir.Value:
@@ -227,22 +207,21 @@ def _save_carry(module: ir.Module, graph: ir.Graph, loop: ir.Op, j: int, counter
   """Add a stack saving carry ``j``'s value at every iteration, row by row."""
   body = loop.regions[1]
   value = body.params[j]
-  row_type = ir.TensorType((1, *value.shape), value.type.dtype)
-  stack_type = ir.TensorType((n, *value.shape), value.type.dtype)
-  where = loop.location
-  zero = _constant(module, value.type.dtype, 0, where)
-  zeros = _new(module, "broadcast_in_dim", [zero.results[0]], {"broadcast_dimensions": ()},
-               stack_type, where)
+  dtype, where = value.type.dtype, loop.location
+  zero = _constant(module, dtype, 0, where)
+  zeros = _fresh(module, "broadcast_in_dim", [zero.results[0]], {"broadcast_dimensions": ()},
+                 (n, *value.shape), dtype, where)
   at = graph.ops.index(loop)
   graph.ops[at:at] = [zero, zeros]
   stack, _ = add_carry(module, loop, zeros.results[0])
-  row = _new(module, "broadcast_in_dim", [value],
-             {"broadcast_dimensions": tuple(range(1, value.type.rank + 1))}, row_type, where)
+  row = _fresh(module, "broadcast_in_dim", [value],
+               {"broadcast_dimensions": tuple(range(1, value.type.rank + 1))},
+               (1, *value.shape), dtype, where)
   index = body.params[counter]
   start = _constant(module, index.type.dtype, 0, where)
-  write = _new(module, "dynamic_update_slice",
-               [stack, row.results[0], index] + [start.results[0]] * value.type.rank, {},
-               stack_type, where)
+  write = _fresh(module, "dynamic_update_slice",
+                 [stack, row.results[0], index] + [start.results[0]] * value.type.rank, {},
+                 stack.shape, dtype, where)
   body.ops.extend([row, start, write])
   body.results.append(write.results[0])
 
@@ -262,14 +241,15 @@ class _RowsAt:
       self.ops.append(_constant(self.module, self.index.type.dtype, 0, self.location))
       self.zero = self.ops[-1].results[0]
     source = _view(self.module, self.later, stack)
-    row = _new(self.module, "dynamic_slice",
-               [source, self.index] + [self.zero] * (stack.type.rank - 1),
-               {"slice_sizes": (1, *stack.shape[1:])},
-               ir.TensorType((1, *stack.shape[1:]), stack.type.dtype), self.location)
+    row = _fresh(self.module, "dynamic_slice",
+                 [source, self.index] + [self.zero] * (stack.type.rank - 1),
+                 {"slice_sizes": (1, *stack.shape[1:])}, (1, *stack.shape[1:]),
+                 stack.type.dtype, self.location)
     self.ops.append(row)
     if row.results[0].type == like.type:
       return row.results[0]
-    self.ops.append(_new(self.module, "reshape", [row.results[0]], {}, like.type, self.location))
+    self.ops.append(_fresh(self.module, "reshape", [row.results[0]], {}, like.shape,
+                           like.type.dtype, self.location))
     return self.ops[-1].results[0]
 
   def value(self, recipe: _Recipe) -> ir.Value:
@@ -295,7 +275,7 @@ def _row_reads(later: ir.Op, j: int) -> Optional[list[ir.Op]]:
   reads = []
   for op in body.ops:
     if param in op.operands:
-      if not _is_row_slice(op, param, op.operands[1]):
+      if not _is_row_slice(op, param):
         return None
       reads.append(op)
     elif any(param in inner.operands for region in op.regions for inner in region.walk()):

@@ -844,7 +844,7 @@ def _grad_case(model, strategy, cfg, remat: Optional[str] = None) -> Case:
                   _ident(model, strategy.name, "grad"))
   dist_fn, name = seq_fn, strategy.name
   if remat is not None:
-    name += "_remat" if remat == "nothing" else f"_remat_{remat}"
+    name = _remat_name(name, remat)
     dist_fn = _named(_loss_and_grads(loss_fn(model, cfg, dataclasses.replace(
         SEQUENTIAL, remat=remat)), n_params), _ident(model, name, "grad"))
   shard = lambda s: NamedSharding(mesh, s)
@@ -1049,14 +1049,18 @@ def _scanned(strategy: _Strategy) -> _Strategy:
                              cfg_overrides=strategy.cfg_overrides + (("scan_layers", True),))
 
 
+def _remat_name(name: str, policy: str) -> str:
+  """``tp_scan`` under remat: ``tp_scan_remat`` (nothing saved) or ``tp_scan_remat_dots``."""
+  return name + ("_remat" if policy == "nothing" else f"_remat_{policy}")
+
+
 def _remat(scanned: _Strategy, policy: str, par: Optional[Callable[[], Parallel]] = None
            ) -> _Strategy:
   """A scanned strategy whose per-device layer runs under ``jax.checkpoint``
   with ``policy`` (``models.REMAT_POLICIES``); the sequential program keeps
   its activations.  ``par``: the per-device hooks (default: the strategy's)."""
   hooks = par or scanned.par
-  suffix = "_remat" if policy == "nothing" else f"_remat_{policy}"
-  return dataclasses.replace(scanned, name=scanned.name + suffix,
+  return dataclasses.replace(scanned, name=_remat_name(scanned.name, policy),
                              par=lambda: dataclasses.replace(hooks(), remat=policy))
 
 
