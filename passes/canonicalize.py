@@ -33,9 +33,11 @@ before anything is compared:
   reshape(concat_k) merging k and k + 1   -> concat_k(reshapes) (slabs.py)
   gather of one window, constant start    -> reshape(slice) (slabs.py)
   slice(x.at[i].set(u)) missing row i     -> slice(x) (slabs.py)
+  dot(transpose(x), y), free dims in order -> dot(x, y)            (rings only)
   dot(a, b), b first by its dims          -> transpose(dot(b, a))   (rings only)
   the online softmax, telescoped          (online_softmax.py; rings only)
   (p / l) @ v                             -> (p @ v) / l            (rings only)
+  a softmax's backward, flash-style       (softmax_backward.py; rings only)
   optimization_barrier(x, y, ...)         -> x, y, ...  (jax.checkpoint's fence
                                              orders XLA's scheduling; on values
                                              it is the identity)
@@ -49,7 +51,7 @@ import math
 from typing import Callable, Optional
 
 from graphguard_hlo import ir
-from graphguard_hlo.passes import online_softmax, slabs
+from graphguard_hlo.passes import online_softmax, slabs, softmax_backward
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 
 Pattern = Callable[[ir.Module, ir.Graph, ir.Op], Optional[ir.Value]]
@@ -286,6 +288,33 @@ def _dot_operand_order(module, graph, op) -> Optional[ir.Value]:
                    out.type.dtype, op.location)
   return _emit(module, graph, op, "transpose", [_simplified_and_placed(module, graph, swapped)],
                {"permutation": perm})
+
+
+def _dot_of_transpose(module, graph, op) -> Optional[ir.Value]:
+  """dot(transpose(x, p), y) -> dot(x, y), its dims renamed through p, when p
+  keeps x's free dims in order (so the result's dims stay where they were).
+
+  Autodiff of ``einsum("bhst,bthd->bshd", p, v)`` reads the output's
+  cotangent transposed to [b, h, d, s]; a hand-written backward contracts
+  the same cotangent laid out [b, h, s, d].  Only the dims' names differ."""
+  if op.name != "dot_general" or len(op.operands) != 2:
+    return None
+  at = op.attrs
+  for side, prefix in ((0, "lhs"), (1, "rhs")):
+    t = op.operands[side].producer
+    if t is None or t.name != "transpose":
+      continue
+    perm = t.attrs["permutation"]
+    batch, contract = at[f"{prefix}_batch"], at[f"{prefix}_contract"]
+    free = [perm[i] for i in range(len(perm)) if i not in batch and i not in contract]
+    if free != sorted(free):
+      continue
+    operands = list(op.operands)
+    operands[side] = t.operands[0]
+    attrs = {**at, f"{prefix}_batch": tuple(perm[i] for i in batch),
+             f"{prefix}_contract": tuple(perm[i] for i in contract)}
+    return _emit(module, graph, op, "dot_general", operands, attrs)
+  return None
 
 
 def _offset_before_broadcast(module, graph, op) -> Optional[ir.Value]:
@@ -626,8 +655,9 @@ PATTERNS: tuple[Pattern, ...] = (
 # dot whose local dims are units, a GSPMD partial sum's division) would part
 # what matched.
 RING_PATTERNS: tuple[Pattern, ...] = (
-    _dot_operand_order,  # before divide_after_dot: it rewrites the dot in order
-    online_softmax.online_rescale, online_softmax.divide_after_dot)
+    _dot_of_transpose, _dot_operand_order,  # before divide_after_dot: it rewrites the dot in order
+    online_softmax.online_rescale, online_softmax.divide_after_dot,
+    softmax_backward.lse_as_division, softmax_backward.division_vjp_as_flash)
 
 
 def _emit(module, graph, op, name, operands, attrs) -> ir.Value:
