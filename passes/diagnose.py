@@ -531,6 +531,36 @@ def _ring_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
+def _share_words(inf, op: ir.Op) -> Optional[str]:
+  """A dot whose per-device shares (each rank's rows against each block a
+  ring brings, ``ring_blocks.py``) are all computed but
+  never add up: a block's shares must travel round the ring with it."""
+  for (whole, x), by_class in inf.ring_blocks.shares.get(op.results[0].id, {}).items():
+    n = inf.mesh.axis_size(x)
+    (k, _, _), *_ = next(iter(by_class.values()))
+    shifts = sorted({s for d in inf.dist.graph.walk() if d.name == "collective_permute"
+                     for found in [ring_shift(d, inf.mesh)] if found is not None
+                     for axis, s in [found] if axis == x})
+    turns = {j for ts in by_class.values() for _, j, _ in ts}
+    missing = sorted(set(range(n)) - turns)
+    blocks = lambda js: "{" + ",".join(map(str, sorted(js))) + "}"
+    if missing:
+      return (f"the per-device program computes each rank's share of this {op.name}'s "
+              f"blocks {x}+{blocks(turns)} along dim {k} (its rows against the blocks a "
+              f"ring brings round {x!r}) but never of blocks {x}+{blocks(missing)} (a ring "
+              f"step missing?)")
+    words = (f"the per-device program computes every rank's share of this {op.name}'s "
+             f"blocks {x}+{{0..{n - 1}}} along dim {k} (its rows against each block a ring "
+             f"brings round {x!r}), but never adds each block's shares together: they "
+             f"must travel round the ring the way the block does")
+    if len(shifts) > 1:
+      sends = " and ".join(f"r -> r + {s}" for s in shifts)
+      return (f"{words}; collective-permutes round {x!r} send {sends} (mod {n}) "
+              f"(gradients sent the wrong way round the ring?)")
+    return f"{words} (a share dropped, added twice, or at another step?)"
+  return None
+
+
 def _fold_words(inf, op: ir.Op) -> Optional[str]:
   """A reduction over a dim whose blocks a ring passes round, with some
   blocks never formed: the values a ring step combines disagree on which
@@ -646,7 +676,8 @@ def diagnose_op(inf, op: ir.Op):
   from graphguard_hlo.passes.inference import Failure
   inputs = [(f"%{v.id}: {v.type}", inf.describe(v)) for v in op.operands]
   problems = _operand_problems(inf, op)
-  for words in (_ring_words(inf, op), _fold_words(inf, op), _pin_words(inf, op),
+  for words in (_ring_words(inf, op), _share_words(inf, op) or _fold_words(inf, op),
+                _pin_words(inf, op),
                 _iota_words(inf, op), _indexed_tile_words(inf, op)):
     if words:
       problems.append(words)

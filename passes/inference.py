@@ -33,11 +33,10 @@ from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.dist_program import DistProgram
 from graphguard_hlo.passes.layout import Layout, tilings_with_local_shape
-from graphguard_hlo.ir import axis_base, axis_shift
-from graphguard_hlo.passes.lemmas import (ELEMENTWISE, SeqOp, Step, apply_lemmas, dot_tiling,
-                                          is_modelled)
+from graphguard_hlo.passes.lemmas import (ELEMENTWISE, SeqOp, apply_lemmas, is_modelled)
 from graphguard_hlo.passes.pieces import Pieces
 from graphguard_hlo.passes.rank_arith import RankArithmetic
+from graphguard_hlo.passes.ring_blocks import RingBlocks
 from graphguard_hlo.passes.sums import SumRegrouping
 from graphguard_hlo.passes.stages import stage_joins
 from graphguard_hlo.passes.tile_lookup import recognize_tile_lookups
@@ -174,6 +173,7 @@ class RelationInference:
     self.lookups = 0
     self.sums = SumRegrouping(self)
     self.pieces = Pieces(self)
+    self.ring_blocks = RingBlocks(self)
     self._next_term_id = -1
     # Values left unrelated on purpose (a sum not yet brought together, a
     # broadcast pieces may take in their own shapes): the op to report if a
@@ -395,8 +395,8 @@ class RelationInference:
           cls = self._lookup_local(op, combo, step, children, k)
           if cls is not None:
             self.add_relation(result, Relation(cls, step.layout, step.lemma))
-    if self.transfer.rings and op.name in ("reduce", "dot_general"):
-      self._ring_folds(op, seq_op)
+    if self.transfer.rings:
+      self.ring_blocks.apply(op, seq_op)
     if op.name == "concatenate" and not self.whole_relations(op.results[0]):
       for cls, layout in stage_joins(self, op):
         self.add_relation(op.results[0], Relation(cls, layout, "stages-joined"))
@@ -408,9 +408,6 @@ class RelationInference:
     if op.name == "add" and not self.whole_relations(op.results[0]) \
         and not self.pieces.has(op.results[0]):
       self.sums.regroup_add(op)
-
-  # -- rings: a reduction over the blocks a ring visits --------------------------
-  _FOLD = {"sum": "add", "max": "maximum", "min": "minimum"}
 
   def seq_op(self, op: ir.Op) -> SeqOp:
     """What lemmas read of a sequential op, with the facts they cannot see
@@ -430,91 +427,6 @@ class RelationInference:
   def lemma_steps(self, op: ir.Op, layouts: list[Layout]) -> list:
     """The local ops lemmas propose for ``op`` on operands with these layouts."""
     return self._steps(self.seq_op(op), layouts)
-
-  def _ring_folds(self, op: ir.Op, seq_op: SeqOp) -> None:
-    """reduce(S, k), or a dot contracting k, where each rank holds block
-    ``r + j`` of dim k in a different value for each j (a ring's steps): the
-    blocks of every j cover the dim, so the result is the per-device
-    program's fold of the per-block results, by adds (or maxima) in any order
-    (``_fold``).  The blocks' results alone relate to nothing."""
-    pieces: dict[tuple[Layout, str], dict[int, int]] = {}
-    for combo in self._operand_combinations(op):
-      found = self._fold_piece(op, seq_op, combo)
-      if found is not None:
-        layout, axis, j, cls = found
-        pieces.setdefault((layout, axis), {}).setdefault(j, cls)
-    kind = "sum" if op.name == "dot_general" else seq_op.attrs.get("gg.reduction")
-    for (layout, axis), by_turn in pieces.items():
-      if len(by_turn) == self.mesh.axis_size(axis):
-        folded = self._fold(by_turn, self._FOLD[kind])
-        if folded is not None:
-          self.add_relation(op.results[0], Relation(folded, layout, "ring-fold"))
-
-  def _fold_piece(self, op: ir.Op, seq_op: SeqOp, combo):
-    """(result layout, x, j, class) if the operands hold the blocks x+j of
-    the reduced dim (and nothing else of it) and the per-device program runs
-    the op on them."""
-    layouts = [l for _, l in combo]
-    if any(l.partial or l.at or not l.is_clean() for l in layouts):
-      return None
-    if op.name == "reduce":
-      if len(op.operands) != 2 or not inits_are_identities(
-          self.splats, op, seq_op.attrs.get("gg.reduction")):
-        return None  # each block's reduction adds the init once
-      a = layouts[0]
-      dims = op.attrs["dimensions"]
-      names = [x for d in dims for x in a.dims[d]]
-      result = Layout(tuple(a.dims[d] for d in range(a.rank) if d not in dims))
-    elif op.name == "dot_general":
-      tiling = dot_tiling(op.attrs, *layouts)
-      if tiling is None:
-        return None
-      result, names = Layout(tiling[0]), tiling[1]
-    else:
-      return None
-    if len(names) != 1 or axis_base(names[0]) not in self.transfer.rings or not result.is_valid():
-      return None
-    local = result.local_shape(seq_op.result_type.shape, self.mesh)
-    if local is None:
-      return None
-    attrs = {k: v for k, v in op.attrs.items() if k != "gg.reduction"}
-    step = Step(attrs, ir.TensorType(local, seq_op.result_type.dtype), result, "ring-fold")
-    children = self._children(op, combo, step)
-    cls = None if children is None else self._lookup_local(op, combo, step, children, 0)
-    return None if cls is None else (result, axis_base(names[0]), axis_shift(names[0]), cls)
-
-  def _fold(self, by_turn: dict[int, int], combiner: str) -> Optional[int]:
-    """A class the per-device program computes as ``combiner`` over exactly
-    the classes ``by_turn`` (each once), in any order and association, with
-    the combiner's identity (a 0 or -inf splat) anywhere."""
-    identity = {"add": 0.0, "maximum": -math.inf, "minimum": math.inf}[combiner]
-    covers: dict[int, frozenset] = {}
-    for j, cls in by_turn.items():
-      if cls in covers:
-        return None  # one value for two blocks
-      covers[cls] = frozenset({j})
-    whole = frozenset(by_turn)
-    work = list(covers)
-    while work:
-      c = work.pop()
-      for d_op in self.users.get(c, ()):
-        if d_op.name != combiner or len(d_op.operands) != 2:
-          continue
-        x, y = (self.deg.of(v) for v in d_op.operands)
-        other = y if x == c else x
-        if other in covers and other != c and not covers[other] & covers[c]:
-          cover = covers[c] | covers[other]
-        elif self.deg.splat(other) == identity:
-          cover = covers[c]
-        else:
-          continue
-        out = self.deg.of(d_op.results[0])
-        if len(covers.get(out, ())) < len(cover):
-          covers[out] = cover
-          if cover == whole:
-            return out
-          work.append(out)
-    return None
 
   def _steps(self, op: SeqOp, layouts: list[Layout]) -> list:
     """The lemmas' steps for an op signature and operand layouts, memoized.

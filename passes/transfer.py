@@ -501,59 +501,71 @@ class Transfer:
     ``sum over rho in R of G@(r + rho)[tile r + tau]`` (G the related value);
     with R every rank and tau = 0 it is tile r of the whole sum.
 
-    Tracked through the per-device program from G: dynamic-slices at a ring's
-    offsets start a term (tau = j, R = {0}) unless a zero write erased that
-    tile of G first; a ring permute r -> r + s turns (tau, R) by -s; an add of
-    two terms at one tau and disjoint R unites them."""
+    Tracked through the per-device program from G (``ring_terms``):
+    dynamic-slices at a ring's offsets start a term (tau = j, R = {0}) unless
+    a zero write erased that tile of G first."""
     if l.partial_kind != "sum" or l.at or not l.is_plain():
       return
     for x in set(l.partial) & self.rings:
-      n = self.mesh.axis_size(x)
       erased = {cls: frozenset()}   # G with zeros written over some tiles
-      terms: dict[int, set] = {}    # class -> {(k, tau, R)}
-      work: list[tuple[int, object]] = [(cls, None)]
-      steps = 0
-      while work and steps < 4096:
-        steps += 1
-        c, term = work.pop()
+      starts: dict[int, set] = {}   # class -> {(k, tau, R)}
+      work = [cls]
+      while work:
+        c = work.pop()
         for op in self.users.get(c, ()):
           out = self.deg.of(op.results[0]) if op.results else None
-          found = []
-          if term is None:  # c is G, or G with tiles erased
-            if op.name == "dynamic_slice" and self.deg.of(op.operands[0]) == c:
-              read = self._read_tile(op)
-              if read is not None and read[1] == x and not l.dims[read[0]] \
-                  and read[2] not in erased[c]:
-                found.append((read[0], read[2], frozenset({0})))
-            elif op.name == "dynamic_update_slice" and self.deg.of(op.operands[0]) == c:
-              written = self.ring_writes.get(id(op))
-              if written is not None and written[1] == x and \
-                  self.deg.splat(self.deg.of(op.operands[1])) == 0.0 and out not in erased:
-                erased[out] = erased[c] | {written[2]}
-                work.append((out, None))
-          else:
-            k, tau, R = term
-            ring = ring_shift(op, self.mesh) if op.name == "collective_permute" else None
-            if ring is not None and ring[0] == x:
-              s_ = ring[1]
-              found.append((k, (tau - s_) % n, frozenset((p - s_) % n for p in R)))
-            elif op.name == "add" and len(op.operands) == 2:
-              a, b = (self.deg.of(v) for v in op.operands)
-              other = b if a == c else a
-              for k2, tau2, R2 in terms.get(other, ()):
-                if (k2, tau2) == (k, tau) and not R & R2:
-                  found.append((k, tau, R | R2))
-          for t in found:
-            if t in terms.setdefault(out, set()):
-              continue
-            terms[out].add(t)
-            work.append((out, t))
-            k, tau, R = t
-            if len(R) == n:
-              dims = list(l.dims)
-              dims[k] = (rotated_axis(x, tau, n),)
-              yield out, l.with_(dims=tuple(dims), partial=tuple(
-                  a for a in l.partial if a != x)), "ring-reduce-scatter"
+          if op.name == "dynamic_slice" and self.deg.of(op.operands[0]) == c:
+            read = self._read_tile(op)
+            if read is not None and read[1] == x and not l.dims[read[0]] \
+                and read[2] not in erased[c]:
+              starts.setdefault(out, set()).add((read[0], read[2], frozenset({0})))
+          elif op.name == "dynamic_update_slice" and self.deg.of(op.operands[0]) == c:
+            written = self.ring_writes.get(id(op))
+            if written is not None and written[1] == x and \
+                self.deg.splat(self.deg.of(op.operands[1])) == 0.0 and out not in erased:
+              erased[out] = erased[c] | {written[2]}
+              work.append(out)
+      yield from self.ring_terms(starts, l, x)
+
+  def ring_terms(self, starts: dict[int, set], l: Layout, x: str
+                 ) -> Iterator[tuple[int, Layout, str]]:
+    """Terms ``(k, tau, R)`` of a partial sum G over ring axis x (related by
+    ``l``), from the classes ``starts`` holding them: a per-device value
+    holding one is ``sum over rho in R of G@(r + rho)[tile r + tau along k]``.
+    A ring permute r -> r + s turns (tau, R) by -s; an add of two terms at one
+    tau and disjoint R unites them; with R every rank it is tile r + tau of
+    the whole sum, the layout this yields."""
+    n = self.mesh.axis_size(x)
+    terms: dict[int, set] = {c: set(ts) for c, ts in starts.items()}
+    work = [(c, t) for c, ts in starts.items() for t in ts]
+    steps = 0
+    while work and steps < 4096:
+      steps += 1
+      c, (k, tau, R) = work.pop()
+      for op in self.users.get(c, ()):
+        out = self.deg.of(op.results[0]) if op.results else None
+        found = []
+        ring = ring_shift(op, self.mesh) if op.name == "collective_permute" else None
+        if ring is not None and ring[0] == x:
+          s_ = ring[1]
+          found.append((k, (tau - s_) % n, frozenset((p - s_) % n for p in R)))
+        elif op.name == "add" and len(op.operands) == 2:
+          a, b = (self.deg.of(v) for v in op.operands)
+          other = b if a == c else a
+          for k2, tau2, R2 in terms.get(other, ()):
+            if (k2, tau2) == (k, tau) and not R & R2:
+              found.append((k, tau, R | R2))
+        for t in found:
+          if t in terms.setdefault(out, set()):
+            continue
+          terms[out].add(t)
+          work.append((out, t))
+          k2, tau2, R2 = t
+          if len(R2) == n:
+            dims = list(l.dims)
+            dims[k2] = (rotated_axis(x, tau2, n),)
+            yield out, l.with_(dims=tuple(dims), partial=tuple(
+                a for a in l.partial if a != x)), "ring-reduce-scatter"
 
   @property
   def users(self) -> dict[int, list[ir.Op]]:

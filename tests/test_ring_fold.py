@@ -1,4 +1,4 @@
-"""The ring fold (``RelationInference._fold``): a reduction over every block
+"""The ring fold (``RingBlocks.fold_classes``): a reduction over every block
 a ring visits is the per-device program's adds (or maxima) of the per-block
 results, in any order, each block once."""
 
@@ -8,14 +8,14 @@ import numpy as np
 from hypothesis import given, strategies as st
 
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
-from graphguard_hlo.passes.inference import RelationInference
+from graphguard_hlo.passes.ring_blocks import RingBlocks
 from tests.test_online_softmax import SETTINGS, Builder, _t
 
 
 @SETTINGS
 @given(st.integers(2, 5), st.sampled_from(["add", "maximum"]), st.data())
 def test_ring_fold_finds_exactly_the_combinations_of_every_block(n, combiner, data):
-  """``RelationInference._fold`` on a per-device program that combines n
+  """``RingBlocks.fold_classes`` on a per-device program that combines n
   block results in a random tree (with identity splats mixed in): it finds
   the root; with one block left out nothing, with one counted twice at most a
   subtree that has each once; what it finds computes the whole fold."""
@@ -39,7 +39,7 @@ def test_ring_fold_finds_exactly_the_combinations_of_every_block(n, combiner, da
   deg = DistEGraph(b.g)
   fake = types.SimpleNamespace(deg=deg, users=op_users(b.g, deg))
   by_turn = {j: deg.of(v) for j, v in enumerate(blocks)}
-  found = RelationInference._fold(fake, by_turn, combiner)
+  found = RingBlocks(fake).fold_classes(by_turn, combiner)
   if how == "all":
     assert found == deg.of(pool[0])
   elif how == "missing":
