@@ -234,7 +234,7 @@ def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None):
   return attend
 
 
-def _ring_attention_vjp(axis_name):
+def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True):
   """Ring attention with its backward pass written by hand, as ring attention
   libraries do (a ``custom_vjp``; the blockwise backward of Liu et al., flash
   attention's recurrence): the forward is ``_ring_attention``'s and saves each
@@ -245,10 +245,15 @@ def _ring_attention_vjp(axis_name):
       D = rowsum(dout * out);  dv += p^T dout;  ds = p * (dout v^T - D)
       dq += ds k;  dk += ds^T q     (ds masked and scaled like the scores)
 
-  n steps and n exchanges, so each block's gradient comes home."""
+  n steps and n exchanges, so each block's gradient comes home.
+
+  ``grad_shift=-1`` is a bug: dk and dv go round the ring the other way from
+  their blocks, so each rank's sum mixes other blocks' gradients.
+  ``lse_log=False``, another: ``lse = m + l`` (the log forgotten), so the
+  recomputed probabilities are not the forward's."""
   def forward(q, k, v):
     out, m, l = _online_softmax_ring(q, k, v, axis_name)
-    return _merge_heads(out), (q, k, v, out, m + jnp.log(l))
+    return _merge_heads(out), (q, k, v, out, m + (jnp.log(l) if lse_log else l))
 
   def backward(res, dout):
     q, k, v, out, lse = res
@@ -268,7 +273,8 @@ def _ring_attention_vjp(axis_name):
       ds = jnp.where(mask, p * (dp - d[..., None]), 0.0) / scale
       dq = dq + jnp.einsum("bhst,bthd->bshd", ds, k)
       dk = dk + jnp.einsum("bhst,bshd->bthd", ds, q)
-      k, v, dk, dv = (lax.ppermute(x, axis_name, perm) for x in (k, v, dk, dv))
+      k, v = (lax.ppermute(x, axis_name, perm) for x in (k, v))
+      dk, dv = (lax.ppermute(x, axis_name, _ring_perm(n, grad_shift)) for x in (dk, dv))
     return dq, dk, dv
 
   attend = jax.custom_vjp(lambda q, k, v: forward(q, k, v)[0])
@@ -281,9 +287,9 @@ def _ring_attention_par(shift=1, rescale_output=True):
   return dataclasses.replace(_cp_par(), attend=_ring_attention("cp", shift, rescale_output))
 
 
-def _ring_attention_vjp_par():
+def _ring_attention_vjp_par(**bug):
   """``cp`` with ring attention and its hand-written ring backward."""
-  return dataclasses.replace(_cp_par(), attend=_ring_attention_vjp("cp"))
+  return dataclasses.replace(_cp_par(), attend=_ring_attention_vjp("cp", **bug))
 
 
 def _dp_tp_ring_attention_par(ring_axis="cp"):
@@ -1545,10 +1551,20 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_shard_map_case(model, DP_TP_RING_ATTENTION, cfg, "ok",
                                  DP_TP_RING_ATTENTION.par()))
     built.append(_shard_map_case(model, ring_3d_scan, cfg, "ok", ring_3d_scan.par()))
-  # Ring attention's backward written by hand (custom_vjp), as libraries do.
+  # Ring attention's backward written by hand (custom_vjp), as libraries do;
+  # dk and dv sent round the ring the other way from their blocks; and the
+  # saved log-sum-exp missing its log.
   if grad:
     for model in MODELS:
       built.append(_shard_map_grad_case(model, RING_ATTENTION_VJP, cfg))
+    for model, variant, flags, bug, primitive in (
+        ("llama3", "grads_wrong_way", dict(grad_shift=-1), "wrong_permutation", "dot_general"),
+        ("gpt2", "lse_without_log", dict(lse_log=False), "wrong_normalizer",
+         "broadcast_in_dim")):
+      strategy = dataclasses.replace(
+          RING_ATTENTION_VJP, par=functools.partial(_ring_attention_vjp_par, **flags))
+      built.append(_shard_map_grad_case(model, strategy, cfg, variant, bug=bug,
+                                        bug_primitive=primitive))
   built.append(_shard_map_case("llama3", DP_TP_RING_ATTENTION, cfg, "ring_over_wrong_axis",
                                _dp_tp_ring_attention_par(ring_axis="tp"),
                                "ring_over_wrong_axis", "reduce"))
