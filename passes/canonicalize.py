@@ -290,9 +290,26 @@ def _dot_operand_order(module, graph, op) -> Optional[ir.Value]:
                {"permutation": perm})
 
 
+def _as_transpose(op: ir.Op) -> Optional[tuple[int, ...]]:
+  """The permutation a transpose applies, or a reshape that only moves unit
+  dims (a transpose of them, which ``_transpose_of_unit_dims`` spells as a
+  reshape: where a device holds one head, [b, s, 1, d] -> [b, 1, s, d])."""
+  if op.name == "transpose":
+    return tuple(op.attrs["permutation"])
+  if op.name != "reshape" or len(op.operands) != 1:
+    return None
+  src, dst = op.operands[0].shape, op.results[0].shape
+  if len(src) != len(dst) or [n for n in src if n != 1] != [n for n in dst if n != 1]:
+    return None
+  units = iter(i for i, n in enumerate(src) if n == 1)
+  others = iter(i for i, n in enumerate(src) if n != 1)
+  return tuple(next(units) if n == 1 else next(others) for n in dst)
+
+
 def _dot_of_transpose(module, graph, op) -> Optional[ir.Value]:
   """dot(transpose(x, p), y) -> dot(x, y), its dims renamed through p, when p
-  keeps x's free dims in order (so the result's dims stay where they were).
+  keeps x's free dims in order (so the result's dims stay where they were);
+  also through a reshape that only moves unit dims (``_as_transpose``).
 
   Autodiff of ``einsum("bhst,bthd->bshd", p, v)`` reads the output's
   cotangent transposed to [b, h, d, s]; a hand-written backward contracts
@@ -302,9 +319,9 @@ def _dot_of_transpose(module, graph, op) -> Optional[ir.Value]:
   at = op.attrs
   for side, prefix in ((0, "lhs"), (1, "rhs")):
     t = op.operands[side].producer
-    if t is None or t.name != "transpose":
+    perm = None if t is None else _as_transpose(t)
+    if perm is None:
       continue
-    perm = t.attrs["permutation"]
     batch, contract = at[f"{prefix}_batch"], at[f"{prefix}_contract"]
     free = [perm[i] for i in range(len(perm)) if i not in batch and i not in contract]
     if free != sorted(free):
