@@ -292,6 +292,11 @@ def _ring_attention_vjp_par(**bug):
   return dataclasses.replace(_cp_par(), attend=_ring_attention_vjp("cp", **bug))
 
 
+def _dp_tp_ring_attention_vjp_par():
+  """``dp_tp_cp`` with ring attention round "cp" and its hand-written backward."""
+  return dataclasses.replace(_dp_tp_cp_par(), attend=_ring_attention_vjp("cp"))
+
+
 def _dp_tp_ring_attention_par(ring_axis="cp"):
   """``dp_tp_cp`` with ring attention round "cp" (each rank's tp heads)."""
   return dataclasses.replace(_dp_tp_cp_par(),
@@ -640,6 +645,9 @@ RING_ATTENTION_VJP = _Strategy("ring_attention_vjp", (4,), ("cp",), P(None, "cp"
                                _cp_param_spec, _ring_attention_vjp_par)
 DP_TP_RING_ATTENTION = _Strategy("dp_tp_ring_attention", (2, 2, 2), ("dp", "tp", "cp"),
                                  P("dp", "cp"), _dp_tp_cp_param_spec, _dp_tp_ring_attention_par)
+DP_TP_RING_ATTENTION_VJP = dataclasses.replace(DP_TP_RING_ATTENTION,
+                                               name="dp_tp_ring_attention_vjp",
+                                               par=_dp_tp_ring_attention_vjp_par)
 
 # Expert parallelism: llama3 only (its MLP is the MoE layer), 4 experts.
 EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
@@ -1551,12 +1559,15 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_shard_map_case(model, DP_TP_RING_ATTENTION, cfg, "ok",
                                  DP_TP_RING_ATTENTION.par()))
     built.append(_shard_map_case(model, ring_3d_scan, cfg, "ok", ring_3d_scan.par()))
-  # Ring attention's backward written by hand (custom_vjp), as libraries do;
-  # dk and dv sent round the ring the other way from their blocks; and the
-  # saved log-sum-exp missing its log.
+  # Ring attention's backward written by hand (custom_vjp), as libraries do:
+  # on its own, with the layers under lax.scan, and on the 2x2x2 mesh; dk and
+  # dv sent round the ring the other way from their blocks; and the saved
+  # log-sum-exp missing its log.
   if grad:
     for model in MODELS:
-      built.append(_shard_map_grad_case(model, RING_ATTENTION_VJP, cfg))
+      for strategy in (RING_ATTENTION_VJP, _scanned(RING_ATTENTION_VJP),
+                       DP_TP_RING_ATTENTION_VJP):
+        built.append(_shard_map_grad_case(model, strategy, cfg))
     for model, variant, flags, bug, primitive in (
         ("llama3", "grads_wrong_way", dict(grad_shift=-1), "wrong_permutation", "dot_general"),
         ("gpt2", "lse_without_log", dict(lse_log=False), "wrong_normalizer",
