@@ -9,7 +9,7 @@ import pytest
 from graphguard_hlo.interpret import Interpreter
 from graphguard_hlo.passes.inference import Relation, RelationInference
 from graphguard_hlo.pipeline import prepare_dist, prepare_seq
-from graphguard_hlo.relation_check import check_relations
+from graphguard_hlo.relation_check import RTOL, RTOL_BF16, check_relations
 from tests.zoo_verdicts import verified
 from tools.zoo import cases, strategies
 
@@ -31,8 +31,8 @@ def test_every_inferred_relation_holds_numerically(case):
     assert check.checked >= len(result.outputs)
 
 
-def _inference(name):
-  seq, dist = cases.get(name).modules()
+def _inference(name, zoo=cases):
+  seq, dist = zoo.get(name).modules()
   program = prepare_dist(dist)
   inference = RelationInference(prepare_seq(seq, program), program)
   assert inference.run().refines
@@ -58,6 +58,18 @@ def test_checker_catches_a_wrong_relation(pick, change):
   assert check_relations(inference).ok
   _mutate_first(inference, pick, change)
   assert not check_relations(inference).ok
+
+
+def test_checker_holds_bfloat16_programs_to_their_precision_and_still_catches():
+  """A mixed-precision program is held to bfloat16's tolerance, which a
+  wrong relation (a scale of 2, a sum forgotten) still far exceeds."""
+  for pick, change in [(lambda l: l.partial, lambda l: l.with_(partial=())),
+                       (lambda l: l.rank and not l.partial, lambda l: l.scaled(2.0))]:
+    inference = _inference("gpt2/dp_tp_bf16/shard_map/ok", strategies)
+    check = check_relations(inference)
+    assert check.ok and check.rtol == RTOL_BF16 > RTOL
+    _mutate_first(inference, pick, change)
+    assert not check_relations(inference).ok
 
 
 def test_interpreter_agrees_with_jax():

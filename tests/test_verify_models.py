@@ -45,6 +45,7 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/tp_vocab_take/shard_map/vocab_ids_not_offset":
         "at rank tp=1, index 16 looks up local row 15, not its row 0",
     "gpt2/tp/shard_map/missing_allreduce": "(missing all-reduce)",
+    "gpt2/tp_bf16/shard_map/missing_allreduce": "(missing all-reduce)",
     "llama3/tp/shard_map/missing_allreduce": "(missing all-reduce)",
     "gpt2/dp/shard_map/loss_wrong_scale": "psum where pmean belongs?",
     "llama3/dp/shard_map/loss_wrong_scale": "psum where pmean belongs?",

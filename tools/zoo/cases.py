@@ -58,6 +58,9 @@ class Case:
   # Arguments drawn as magnitudes by the numeric checks (Adam's second
   # moments: a negative one is no state Adam can be in, and its sqrt is NaN).
   nonnegative_args: tuple[int, ...] = ()
+  # How closely the two programs' outputs agree on a run (bfloat16 ones
+  # round their partial sums, summed in another order).
+  tolerance: float = 1e-4
 
   @property
   def program(self) -> str:

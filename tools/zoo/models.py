@@ -79,6 +79,9 @@ class Config:
   # > 0: each expert takes at most this many tokens of each group (batch
   # row), first come first served; the rest are dropped (GShard capacity).
   capacity: int = 0
+  # "bfloat16": mixed precision, the parameters (kept in float32) cast to
+  # bfloat16 where the loss reads them, the loss returned in float32.
+  compute_dtype: str = "float32"
 
   def __post_init__(self):
     assert self.embedding in ("one_hot", "take"), self
@@ -524,7 +527,9 @@ def loss_fn(model: str, cfg: Config, par: Parallel = SEQUENTIAL,
   loss = LOSSES[model]
 
   def fn(tokens, labels, *params):
-    return loss(tokens, labels, params, cfg, par)
+    if cfg.compute_dtype != "float32":
+      params = tuple(p.astype(cfg.compute_dtype) for p in params)
+    return loss(tokens, labels, params, cfg, par).astype(F32)
 
   fn.__name__ = fn.__qualname__ = name or f"{model}_loss"
   return fn

@@ -7,6 +7,8 @@ it is no bug at all, just a different but equivalent program).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import numpy as np
 
@@ -38,8 +40,10 @@ def run_both(case: Case, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
   return np.asarray(seq_out), np.asarray(dist_out)
 
 
-def outputs_match(case: Case, seed: int = 0, rtol: float = 1e-4,
-                  atol: float = 1e-4) -> bool:
+def outputs_match(case: Case, seed: int = 0, rtol: Optional[float] = None,
+                  atol: Optional[float] = None) -> bool:
+  rtol = case.tolerance if rtol is None else rtol
+  atol = case.tolerance if atol is None else atol
   seq_out, dist_out = run_both(case, seed)
   return (seq_out.shape == dist_out.shape
           and bool(np.allclose(seq_out, dist_out, rtol=rtol, atol=atol)))
