@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 from graphguard_hlo import ir
 from graphguard_hlo.loaders.stablehlo import load_stablehlo
 from graphguard_hlo.passes.dist_program import is_manual
+from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.xla_partition import partition_lowered
 
 
@@ -48,6 +49,10 @@ def lower_distributed(fn: Callable, *args, in_shardings=None, out_shardings=None
     kw["out_shardings"] = out_shardings
   lowered = jax.jit(fn, **kw).lower(*_abstract(args, True))
   module = load_stablehlo(name, lowered.as_text(debug_info=True))
+  # ``jax.jit(shard_map(f))`` inside this jit is a call of the manual
+  # computation: inlined, it is read with its own mesh and axis names rather
+  # than partitioned by XLA onto atomic axes (a0, a1, ...).
+  inline_calls(module)
   if is_manual(module):
     return module
   return partition_lowered(lowered, name)

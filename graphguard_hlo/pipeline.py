@@ -17,13 +17,16 @@ from graphguard_hlo.passes.layout import Layout
 
 @without_cyclic_gc
 def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Optional[str] = None):
+  # Inlined first: a dumped ``jax.jit(shard_map(f))`` calls its manual
+  # computation from main, and read from there it keeps the user's mesh.
+  inline_calls(dist)
   if needs_partitioning(dist):
     from graphguard_hlo.xla_partition import partition_stablehlo_text
     if text is None:
       with open(dist.path) as f:
         text = f.read()
     dist = partition_stablehlo_text(dist.path, text, num_partitions or dist.num_partitions)
-  inline_calls(dist)
+    inline_calls(dist)
   canonicalize_module(dist)
   program = canonicalize_dist(dist, num_partitions)
   # Rings are seen once collectives read as mesh axes: then the ring forms

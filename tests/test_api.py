@@ -47,6 +47,18 @@ def test_pmean_reported_with_location():
   assert "test_api.py" in str(result.failure.location)
 
 
+def test_a_jitted_shard_map_keeps_its_mesh_axes():
+  """``jax.jit(shard_map(f))`` lowers to a call of the manual computation: read
+  through the call, the report names the user's axis, not XLA's a0."""
+  missing = jax.jit(_tp(lambda y: y))
+  result = gg.verify(mlp, missing, *ARGS, mesh=MESH, in_specs=SPECS)
+  assert not result.refines
+  assert "sum[tp]" in str(result.failure.inputs) + result.failure.diagnosis, result.failure
+  assert "a0" not in result.failure.diagnosis
+  assert gg.verify(mlp, jax.jit(_tp(lambda y: jax.lax.psum(y, "tp"))), *ARGS, mesh=MESH,
+                   in_specs=SPECS).refines
+
+
 def test_assert_refines_fails_with_the_report():
   gg.assert_refines(mlp, _tp(lambda y: jax.lax.psum(y, "tp")), *ARGS, mesh=MESH,
                     in_specs=SPECS)

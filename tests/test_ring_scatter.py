@@ -79,7 +79,7 @@ def test_shares_carried_round_the_ring_are_proved(transposed, scale):
 @pytest.mark.parametrize("bug,words", [
     (dict(grad_shift=-1), "send r -> r + 1 and r -> r + 3 (mod 4) (gradients sent the wrong "
                           "way round the ring?)"),
-    (dict(steps=N - 1), "but never of blocks a0+{1} (a ring step missing?)"),
+    (dict(steps=N - 1), "but never of blocks cp+{1} (a ring step missing?)"),
     (dict(add_before_send=False), "(a share dropped, added twice, or at another step?)"),
     (dict(first_twice=True), "(a share dropped, added twice, or at another step?)")])
 def test_shares_that_never_come_home_are_reported_at_the_dot(bug, words):
