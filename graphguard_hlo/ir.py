@@ -145,6 +145,17 @@ class Graph:
         yield from region.walk()
 
 
+def dot_free_dims(attrs: dict[str, Any], lhs_rank: int, rhs_rank: int
+                  ) -> tuple[list[int], list[int]]:
+  """A dot_general's lhs and rhs dims that are neither batch nor contracting.
+
+  Its result's dims are the batch dims, then the lhs's free dims, then the
+  rhs's, each in operand order."""
+  lhs = [i for i in range(lhs_rank) if i not in attrs["lhs_batch"] and i not in attrs["lhs_contract"]]
+  rhs = [j for j in range(rhs_rank) if j not in attrs["rhs_batch"] and j not in attrs["rhs_contract"]]
+  return lhs, rhs
+
+
 ROTATION_SEP = "+"
 
 

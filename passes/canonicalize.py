@@ -273,8 +273,7 @@ def _dot_operand_order(module, graph, op) -> Optional[ir.Value]:
   if key(b, at["rhs_batch"], at["rhs_contract"]) >= key(a, at["lhs_batch"], at["lhs_contract"]):
     return None
   n_batch = len(at["lhs_batch"])
-  a_free = a.type.rank - n_batch - len(at["lhs_contract"])
-  b_free = b.type.rank - n_batch - len(at["rhs_contract"])
+  a_free, b_free = map(len, ir.dot_free_dims(at, a.type.rank, b.type.rank))
   swapped_attrs = {**at, "lhs_batch": at["rhs_batch"], "rhs_batch": at["lhs_batch"],
                    "lhs_contract": at["rhs_contract"], "rhs_contract": at["lhs_contract"]}
   out = op.results[0]

@@ -171,8 +171,7 @@ def dot_tiling(attrs: dict, a: Layout, b: Layout
   lc, rc = attrs["lhs_contract"], attrs["rhs_contract"]
   if any(a.dims[i] != b.dims[j] for i, j in zip(lb + lc, rb + rc)):
     return None
-  lfree = [i for i in range(a.rank) if i not in lb and i not in lc]
-  rfree = [j for j in range(b.rank) if j not in rb and j not in rc]
+  lfree, rfree = ir.dot_free_dims(attrs, a.rank, b.rank)
   dims = tuple(a.dims[i] for i in lb) + tuple(a.dims[i] for i in lfree) + tuple(
       b.dims[j] for j in rfree)
   return dims, tuple(ax for i in lc for ax in a.dims[i])

@@ -78,9 +78,7 @@ def _dot_rows(dot: ir.Op, side: int) -> dict[int, int]:
   first, then the lhs's free dims, then the rhs's)."""
   at = dot.attrs
   batch = [at["lhs_batch"], at["rhs_batch"]]
-  contract = [at["lhs_contract"], at["rhs_contract"]]
-  free = [[i for i in range(v.type.rank) if i not in batch[k] and i not in contract[k]]
-          for k, v in enumerate(dot.operands)]
+  free = ir.dot_free_dims(at, *(v.type.rank for v in dot.operands))
   rows = {i: k for k, i in enumerate(batch[side])}
   start = len(batch[0]) + (len(free[0]) if side == 1 else 0)
   rows.update({i: start + k for k, i in enumerate(free[side])})

@@ -28,7 +28,7 @@ rows, the sum over the keys ``v`` brings.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.loop_copies import through_unit_dims
@@ -159,13 +159,28 @@ def _factors(v: ir.Value, limit: int = 3) -> Optional[list[ir.Value]]:
   return out if len(out) <= limit else None
 
 
-def _dot_dims(dot: ir.Op) -> tuple[int, int, list[int], list[int]]:
-  """(batch count, lhs free count, lhs free dims, rhs free dims)."""
+class _DotDims(NamedTuple):
+  """dP = dot(dout, v)'s dims: its result is [batch, rows (dout's free dims),
+  keys (v's free dims)]."""
+  n_batch: int
+  dout_free: list[int]
+  v_free: list[int]
+
+  @property
+  def rows(self) -> tuple[int, ...]:
+    """The result's batch and row dims: what l and the rowsums are indexed by."""
+    return tuple(range(self.n_batch + len(self.dout_free)))
+
+  @property
+  def keys(self) -> tuple[int, ...]:
+    n = len(self.rows)
+    return tuple(range(n, n + len(self.v_free)))
+
+
+def _dot_dims(dot: ir.Op) -> _DotDims:
   at = dot.attrs
   a, v = dot.operands
-  a_free = [i for i in range(a.type.rank) if i not in at["lhs_batch"] and i not in at["lhs_contract"]]
-  v_free = [i for i in range(v.type.rank) if i not in at["rhs_batch"] and i not in at["rhs_contract"]]
-  return len(at["lhs_batch"]), len(a_free), a_free, v_free
+  return _DotDims(len(at["lhs_batch"]), *ir.dot_free_dims(at, a.type.rank, v.type.rank))
 
 
 def division_vjp_as_flash(module, graph, op: ir.Op) -> Optional[ir.Value]:
@@ -181,7 +196,7 @@ def division_vjp_as_flash(module, graph, op: ir.Op) -> Optional[ir.Value]:
 
 
 def _division_vjp(x: ir.Value, e: ir.Value):
-  """(dP's dot, the broadcast of l, l, the rowsum) if x = dP / l - rowsum(dP * e / (l*l)),
+  """(dP's dot, its dims, the broadcast of l, l, the rowsum) if x = dP / l - rowsum(dP * e / (l*l)),
   written as a subtract or (autodiff's way) as an add of the negated rowsum."""
   op = x.producer
   if op is None or e.type != x.type or len(op.operands) != 2:
@@ -197,10 +212,9 @@ def _division_vjp(x: ir.Value, e: ir.Value):
     dot = None if div is None else _producer(div.operands[0], "dot_general")
     if dot is None or len(dot.operands) != 2:
       continue
-    nb, na, _, v_free = _dot_dims(dot)
-    rows = tuple(range(nb + na))
-    keys = tuple(range(nb + na, nb + na + len(v_free)))
-    rows_shape = dot.results[0].shape[:nb + na]
+    dims = _dot_dims(dot)
+    rows, keys = dims.rows, dims.keys
+    rows_shape = dot.results[0].shape[:len(rows)]
     l_rows = _row_broadcast(div.operands[1], rows)
     l = None if l_rows is None else _row_vector(l_rows, rows_shape)
     inner = _row_broadcast(correction, rows)
@@ -221,34 +235,32 @@ def _division_vjp(x: ir.Value, e: ir.Value):
     scale = _row_broadcast(rest[0], rows)
     if scale is None or not _is_inverse_square(scale, l):
       continue
-    return dot, div.operands[1], l, red
+    return dot, dims, div.operands[1], l, red
   return None
 
 
-def _flash(module, graph, op: ir.Op, e: ir.Value, dot: ir.Op, l_rows: ir.Value, l: ir.Value,
-           red: ir.Op) -> ir.Value:
+def _flash(module, graph, op: ir.Op, e: ir.Value, dot: ir.Op, dims: _DotDims,
+           l_rows: ir.Value, l: ir.Value, red: ir.Op) -> ir.Value:
   from graphguard_hlo.passes.canonicalize import _emit, _fresh, _simplified_and_placed
   place = lambda o: _simplified_and_placed(module, graph, o)
   at = op.location
   dtype = e.type.dtype
   dout, v = dot.operands
   attrs = dot.attrs
-  nb, na, a_free, v_free = _dot_dims(dot)
-  rows = tuple(range(nb + na))
-  keys = tuple(range(nb + na, nb + na + len(v_free)))
+  nb, rows, keys = dims.n_batch, dims.rows, dims.keys
   # e @ v: batch dims, e's rows, then v's head dims (dout's contracted ones)
   heads = sorted(attrs["rhs_contract"])
-  ev_shape = e.shape[:nb + na] + tuple(v.shape[d] for d in heads)
+  ev_shape = e.shape[:len(rows)] + tuple(v.shape[d] for d in heads)
   ev = place(_fresh(module, "dot_general", [e, v], {
       "lhs_batch": tuple(range(nb)), "rhs_batch": tuple(attrs["rhs_batch"]),
-      "lhs_contract": keys, "rhs_contract": tuple(v_free)}, ev_shape, dtype, at))
-  head_dims = tuple(range(nb + na, len(ev_shape)))
+      "lhs_contract": keys, "rhs_contract": tuple(dims.v_free)}, ev_shape, dtype, at))
+  head_dims = tuple(range(len(rows), len(ev_shape)))
   l_heads = place(_fresh(module, "broadcast_in_dim", [l], {"broadcast_dimensions": rows},
                          ev_shape, dtype, at))
   out = place(_fresh(module, "divide", [ev, l_heads], {}, ev_shape, dtype, at))
   # dout with its dims in out's order: batch, rows, heads as v's are sorted
   by_head = dict(zip(attrs["rhs_contract"], attrs["lhs_contract"]))
-  perm = tuple(attrs["lhs_batch"]) + tuple(a_free) + tuple(by_head[d] for d in heads)
+  perm = tuple(attrs["lhs_batch"]) + tuple(dims.dout_free) + tuple(by_head[d] for d in heads)
   dout_t = dout if perm == tuple(range(len(perm))) else place(_fresh(
       module, "transpose", [dout], {"permutation": perm}, ev_shape, dtype, at))
   # dP again, from dout in that order: autodiff reads dout transposed for
