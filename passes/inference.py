@@ -389,10 +389,7 @@ class RelationInference:
         for step in self._steps(rop, layouts):
           if not self._inits_are_identities(op, step):
             continue
-          children = self._children(op, combo, step)
-          if children is None:
-            continue
-          cls = self._lookup_local(op, combo, step, children, k)
+          cls = self.local_class(op, combo, step, k)
           if cls is not None:
             self.add_relation(result, Relation(cls, step.layout, step.lemma))
     if self.transfer.rings:
@@ -440,6 +437,12 @@ class RelationInference:
     if steps is None:
       steps = self._step_memo[key] = list(apply_lemmas(op, layouts))
     return steps
+
+  def local_class(self, op: ir.Op, combo, step, k: int = 0) -> Optional[int]:
+    """The e-class of result k of the local op ``step`` proposes for ``op`` on
+    the operands in ``combo``, if the per-device program computes it."""
+    children = self._children(op, combo, step)
+    return None if children is None else self._lookup_local(op, combo, step, children, k)
 
   def _lookup_local(self, op: ir.Op, combo, step, children, k: int) -> Optional[int]:
     """The e-class of the local op a lemma proposes, in the same normal form

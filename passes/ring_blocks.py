@@ -127,8 +127,7 @@ class RingBlocks:
       return None
     attrs = {k: v for k, v in op.attrs.items() if k != "gg.reduction"}
     step = Step(attrs, ir.TensorType(local, seq_op.result_type.dtype), result, "ring-fold")
-    children = inf._children(op, combo, step)
-    cls = None if children is None else inf._lookup_local(op, combo, step, children, 0)
+    cls = inf.local_class(op, combo, step)
     return None if cls is None else (result, axis_base(names[0]), axis_shift(names[0]), cls)
 
   def fold_classes(self, by_turn: dict[int, int], combiner: str) -> Optional[int]:
@@ -204,8 +203,7 @@ class RingBlocks:
       return None
     step = Step(dict(op.attrs), ir.TensorType(local, seq_op.result_type.dtype), local_layout,
                 "ring-scatter")
-    children = inf._children(op, combo, step)
-    cls = None if children is None else inf._lookup_local(op, combo, step, children, 0)
+    cls = inf.local_class(op, combo, step)
     if cls is None:
       return None
     plain[k] = ()
@@ -292,8 +290,7 @@ class RingBlocks:
       res = step.layout
       if res.partial or res.at or not res.is_clean() or not res.is_plain():
         continue
-      children = inf._children(op, combo, step)
-      found = None if children is None else inf._lookup_local(op, combo, step, children, 0)
+      found = inf.local_class(op, combo, step)
       if found is not None:
         return found, res
     return None

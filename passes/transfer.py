@@ -509,7 +509,7 @@ class Transfer:
     for x in set(l.partial) & self.rings:
       erased = {cls: frozenset()}   # G with zeros written over some tiles
       starts: dict[int, set] = {}   # class -> {(k, tau, R)}
-      work = [cls]
+      work = [cls]                  # each class is queued once (out not in erased)
       while work:
         c = work.pop()
         for op in self.users.get(c, ()):
