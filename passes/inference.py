@@ -181,7 +181,11 @@ class RelationInference:
     self.deferred: dict[int, ir.Op] = {}
 
   # -- relations ---------------------------------------------------------------
-  def add_relation(self, s: ir.Value, rel: Relation) -> None:
+  def add_relation(self, s: ir.Value, rel: Relation, assumed: bool = False) -> None:
+    """Relate ``s`` by ``rel`` and by what follows from it.  Each value keeps
+    at most MAX_RELATIONS_PER_VALUE, except that an ``assumed`` relation (a
+    loop's candidate invariant) always goes in: a hypothesis cut here could
+    never be re-established, and the loop would fail for want of it."""
     work = [rel]
     while work:
       r = work.pop()
@@ -189,8 +193,9 @@ class RelationInference:
       known = self.relations.setdefault(s.id, [])
       if any(k.cls == r.cls and k.layout == r.layout for k in known):
         continue
-      if len(known) >= MAX_RELATIONS_PER_VALUE:
+      if len(known) >= MAX_RELATIONS_PER_VALUE and not assumed:
         return
+      assumed = False  # ``rel`` is popped first; what follows from it is capped
       known.append(r)
       self.pieces.cut(s, r)
       summed = r.layout.summed_over_pins()

@@ -189,5 +189,5 @@ def _region_inference(inf, seq_loop: ir.Op, dist_loop: ir.Op, region: int,
   for m in matches:
     sub.add_relation(seq_region.params[m.seq_index],
                      Relation(sub.deg.of(dist_region.params[m.dist_index]), m.layout,
-                              "loop-invariant"))
+                              "loop-invariant"), assumed=True)
   return sub

@@ -70,3 +70,51 @@ def test_different_trip_count_is_not_proved():
     return jax.lax.scan(layer, x, (w1[:2], w2[:2]))[0]
   dist = shard_map(body, mesh=MESH, in_specs=SPECS, out_specs=P())
   assert not _verify(dist).refines
+
+
+# Many zero-initialized accumulators (a training step's stacked gradients):
+# each sequential one may start as any per-device zero carry under any tiling
+# that fits, 5 carries x 6 orders of two of three axes here.  Every one of
+# these candidates is assumed for the body; the 24 a value otherwise keeps
+# would leave out the last accumulator's true one.
+MESH_3D = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("a", "b", "c"))
+ACCUMULATORS = 5
+STACKED = [jax.ShapeDtypeStruct((LAYERS, ACCUMULATORS, 8, 8), jnp.float32)]
+ACC_SPEC = P(None, None, None, ("b", "c"))
+
+
+def _accumulate(into=lambda i: i, last_scale=1.0):
+  def run(xs):
+    def step(accs, x):
+      out = [acc + x[into(i)] for i, acc in enumerate(accs)]
+      out[-1] = accs[-1] + last_scale * x[into(ACCUMULATORS - 1)]
+      return tuple(out), None
+    zeros = tuple(jnp.zeros_like(xs[0, 0]) for _ in range(ACCUMULATORS))
+    return jax.lax.scan(step, zeros, xs)[0]
+  return run
+
+
+def _verify_accumulators(dist_run):
+  dist = shard_map(dist_run, mesh=MESH_3D, in_specs=(ACC_SPEC,),
+                   out_specs=tuple(P(None, ("b", "c")) for _ in range(ACCUMULATORS)))
+  return gg.verify(_accumulate(), dist, *STACKED, mesh=MESH_3D, in_specs=(ACC_SPEC,))
+
+
+def test_every_candidate_of_many_zero_carries_is_assumed():
+  result = _verify_accumulators(_accumulate())
+  assert result.refines, result
+
+
+def test_the_last_accumulator_scaled_is_reported_in_the_loop():
+  result = _verify_accumulators(_accumulate(last_scale=2.0))
+  assert not result.refines
+  assert result.failure.op_name == "add" and "test_loops.py" in str(result.failure.location)
+  assert "does not keep its relation" in result.failure.diagnosis
+
+
+def test_accumulators_added_into_each_other_are_reported_at_the_outputs():
+  # The loop is proved (carry i holds sequential carry i + 1); the outputs
+  # then come back in the wrong order.
+  result = _verify_accumulators(_accumulate(into=lambda i: (i + 1) % ACCUMULATORS))
+  assert not result.refines
+  assert result.failure.op_name == "output" and result.failure.output_index == 0
