@@ -1653,7 +1653,8 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_shard_map_case(model, scan, cfg, "ok", scan.par()))
       if grad:
         built.append(_shard_map_grad_case(model, scan, cfg))
-    built.append(_gspmd_case(model, _scanned(_STRATEGIES["tp"]), cfg))
+      built.append(_gspmd_case(model, scan, cfg))
+    built.append(_gspmd_case(model, _scanned(DP_SP), cfg))
   # Mixed precision (bfloat16 compute, float32 parameters and loss): dp x tp
   # in both styles, dp x tp x cp trained, the layers under lax.scan; and the
   # missing all-reduce under it.
@@ -1687,7 +1688,10 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     # GSPMD's training step with scanned layers, with and without remat (XLA
     # partitions the checkpointed program; its saved stacks differ again).
     for model in MODELS:
-      for strategy in (_STRATEGIES["tp"], _STRATEGIES["sp"]):
+      # (dp x tp's stacked gradients start as many zero buffers: each one's
+      # candidate invariants outnumber what a value otherwise keeps; loops.py)
+      for strategy in (_STRATEGIES["tp"], _STRATEGIES["sp"], _STRATEGIES["dp_tp"],
+                       _STRATEGIES["dp_tp_cp"], DP_SP):
         built.append(_grad_case(model, _scanned(strategy), cfg))
       built.append(_grad_case(model, _scanned(_STRATEGIES["tp"]), cfg, remat="nothing"))
   if grad:
