@@ -275,8 +275,9 @@ def _split_dim(src, dst) -> Optional[int]:
 def _is_reshape(op: Optional[ir.Op]) -> bool:
   """A reshape, or a broadcast that only inserts unit dims (canonicalize.py's
   spelling of such a reshape)."""
-  return op is not None and (op.name == "reshape" or only_unit_dims_change(
-      op.name, op.attrs, op.operands[0].type, op.results[0].type))
+  return op is not None and len(op.operands) == 1 and (
+      op.name == "reshape" or only_unit_dims_change(op.name, op.attrs, op.operands[0].type,
+                                                    op.results[0].type))
 
 
 def _slice(module, fresh, x: ir.Value, starts, limits, location) -> ir.Op:
