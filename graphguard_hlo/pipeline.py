@@ -11,6 +11,7 @@ from graphguard_hlo.passes.canonicalize import canonicalize_graph, canonicalize_
 from graphguard_hlo.passes.transfer import ring_axes
 from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.passes.rank_cases import rank_case_patterns
+from graphguard_hlo.passes.ring_loops import unroll_ring_loops
 from graphguard_hlo.passes.inference import Result, verify_programs
 from graphguard_hlo.passes.layout import Layout
 
@@ -27,6 +28,10 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
         text = f.read()
     dist = partition_stablehlo_text(dist.path, text, num_partitions or dist.num_partitions)
     inline_calls(dist)
+  # A ring written as a fori_loop or scan over its steps reads as the Python
+  # loop it replaces (ring_loops.py): the sequential program has no loop to
+  # prove it against by induction.
+  unroll_ring_loops(dist)
   canonicalize_module(dist)
   program = canonicalize_dist(dist, num_partitions)
   # Rings are seen once collectives read as mesh axes: then the ring forms

@@ -663,6 +663,84 @@ PATTERNS: tuple[Pattern, ...] = (
     _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims,
     _slab_forms)
 
+def _dynamic_slice_at_constants(module, graph, op) -> Optional[ir.Value]:
+  """dynamic_slice(x, c_0, ..., c_k), constant starts -> slice(x), the starts
+  clamped as dynamic_slice clamps them.  An unrolled ring loop (ring_loops.py)
+  reads what jax stacked per step at each step's now constant index."""
+  if op.name != "dynamic_slice":
+    return None
+  from graphguard_hlo.passes.terms import splat_value
+  starts = [splat_value(v) for v in op.operands[1:]]
+  x = op.operands[0]
+  sizes = op.attrs["slice_sizes"]
+  if any(s is None for s in starts) or len(starts) != x.type.rank:
+    return None
+  lo = tuple(min(max(int(s), 0), n - k) for s, n, k in zip(starts, x.shape, sizes))
+  return _emit(module, graph, op, "slice", [x], {
+      "start_indices": lo, "limit_indices": tuple(a + k for a, k in zip(lo, sizes)),
+      "strides": (1,) * len(lo)})
+
+
+def _one_element_of_iota(module, graph, op) -> Optional[ir.Value]:
+  """slice(iota) of one element -> that element, a constant (the iota may be
+  broadcast or reshaped first).  A scan over ``jnp.arange(n)`` reads its step
+  from an iota; unrolled (ring_loops.py), at each step's constant index."""
+  if op.name != "slice" or math.prod(op.results[0].shape) != 1:
+    return None
+  import numpy as np
+  from graphguard_hlo import reference
+  from graphguard_hlo.loaders.stablehlo import _HashableArray
+  whole = _iota_value(op.operands[0])
+  if whole is None:
+    return None
+  try:
+    arr = np.asarray(reference.evaluate("slice", op.attrs, [whole], op.results[0].type))
+  except (NotImplementedError, KeyError, ValueError, TypeError):
+    return None
+  arr.setflags(write=False)
+  return _emit(module, graph, op, "constant", [], {"value": _HashableArray(arr)})
+
+
+def _iota_value(v: ir.Value, depth: int = 4):
+  """``v``'s value if it is an iota, broadcast, reshaped or converted; else None."""
+  import numpy as np
+  from graphguard_hlo import reference
+  op = v.producer
+  if op is None or depth == 0 or op.name not in ("iota", "broadcast_in_dim", "reshape",
+                                                 "convert"):
+    return None
+  args = [_iota_value(x, depth - 1) for x in op.operands]
+  if any(a is None for a in args):
+    return None
+  try:
+    return np.asarray(reference.evaluate(op.name, op.attrs, args, op.results[0].type))
+  except (NotImplementedError, KeyError, ValueError, TypeError):
+    return None
+
+
+def _reshape_of_broadcast_units(module, graph, op) -> Optional[ir.Value]:
+  """reshape(broadcast_in_dim(y)) that only drops or adds unit dims -> one
+  broadcast_in_dim(y), when y's dims all land on dims the reshape keeps.
+  A step's slice of what an unrolled ring loop stacked (ring_loops.py) is
+  its broadcast with the stacking dim's unit in front."""
+  if op.name != "reshape":
+    return None
+  p = op.operands[0].producer
+  if p is None or p.name != "broadcast_in_dim":
+    return None
+  src, dst = p.results[0].shape, op.results[0].shape
+  if [n for n in src if n != 1] != [n for n in dst if n != 1]:
+    return None
+  kept_src = [i for i, n in enumerate(src) if n != 1]
+  kept_dst = [i for i, n in enumerate(dst) if n != 1]
+  where = dict(zip(kept_src, kept_dst))
+  dims = p.attrs["broadcast_dimensions"]
+  if any(d not in where for d in dims):
+    return None
+  return _emit(module, graph, op, "broadcast_in_dim", [p.operands[0]],
+               {"broadcast_dimensions": tuple(where[d] for d in dims)})
+
+
 # Where the per-device program passes blocks round a ring (ring attention):
 # the online softmax telescoped, the sequential softmax dividing after its
 # matmul to meet it, and one operand order for a product (the two programs'
@@ -673,7 +751,8 @@ PATTERNS: tuple[Pattern, ...] = (
 RING_PATTERNS: tuple[Pattern, ...] = (
     _dot_of_transpose, _dot_operand_order,  # before divide_after_dot: it rewrites the dot in order
     online_softmax.online_rescale, online_softmax.divide_after_dot,
-    softmax_backward.lse_as_division, softmax_backward.division_vjp_as_flash)
+    softmax_backward.lse_as_division, softmax_backward.division_vjp_as_flash,
+    _dynamic_slice_at_constants, _one_element_of_iota, _reshape_of_broadcast_units)
 
 
 def _emit(module, graph, op, name, operands, attrs) -> ir.Value:

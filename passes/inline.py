@@ -38,7 +38,7 @@ def _inline_graph(module: ir.Module, g: ir.Graph, depth: int) -> None:
       new_ops.append(op)
       continue
     body = ir.Graph(callee.name)
-    _clone_into(module, callee, op.operands, body, op.location)
+    clone_into(module, callee, op.operands, body, op.location)
     _inline_graph(module, body, depth + 1)  # (may replace values body returns)
     new_ops.extend(body.ops)
     for r, v in zip(op.results, body.results):
@@ -51,7 +51,7 @@ def _inline_graph(module: ir.Module, g: ir.Graph, depth: int) -> None:
       op.operands = [replace.get(v.id, v) for v in op.operands]
 
 
-def _clone_into(module: ir.Module, callee: ir.Graph, args: list[ir.Value], into: ir.Graph,
+def clone_into(module: ir.Module, callee: ir.Graph, args: list[ir.Value], into: ir.Graph,
                 call_loc: ir.Location) -> list[ir.Value]:
   mapping = {p.id: a for p, a in zip(callee.params, args)}
 

@@ -23,7 +23,7 @@ from graphguard_hlo import ir
 from graphguard_hlo.passes.loop_edits import (NOT_COPIED, clone_op, drop_dead_carries, invariant,
                                               replace_uses, used_ids)
 
-MAX_OPS = 64
+MAX_OPS = 256
 
 
 def _constant_cone(graph: ir.Graph, v: ir.Value) -> Optional[list[ir.Op]]:

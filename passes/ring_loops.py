@@ -1,0 +1,128 @@
+"""Ring loops of the per-device program, unrolled.
+
+Ring attention and ring exchanges are written in two ways: a Python loop
+over the ring's steps (jax traces it flat) or ``lax.fori_loop`` / ``lax.scan``
+over them (a ``while`` whose body passes the block in hand to the next rank).
+The sequential program has no such loop, so there is no loop of its own to
+prove the ring's one against by induction (loops.py), and what a carry holds
+changes every step (the block of rank r - t at step t) where Houdini's
+candidates are fixed layouts.  So the ring loop is unrolled into the form a
+Python loop gives, and everything that reads rings (ring_blocks.py, the ring
+forms of canonicalize.py, rank arithmetic on the now constant step) applies.
+
+A loop is unrolled when it is one: a counter runs 0, 1, ... < N with N a
+constant (``loop_copies.counter_of``), N is at most the number of ranks the
+ring visits, and some carry goes round the ring unchanged (the body returns
+``collective_permute`` of that carry's parameter).  A scan over layers is
+never one: no layer passes its input on untouched.  Also unrolled: a counter
+loop of the same N at the same source line as a ring loop, with no exchange
+of its own.  jax splits a ring loop that way when it differentiates a scan
+over layers holding one: what each step computes from the rank and the step
+alone (ring attention's block masks) is hoisted out of the layers' loop into
+a loop of its own, stacked per step.  Unrolling costs N copies of the body,
+the same as the Python loop would have; it is sound for any loop.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes.inline import clone_into
+from graphguard_hlo.passes.loop_copies import counter_of
+
+
+def unroll_ring_loops(module: ir.Module) -> int:
+  """Unroll every ring loop in ``module`` (nested ones too), and the loops
+  jax split off them; how many."""
+  split_off = set()
+  for g in module.functions.values():
+    for op in g.walk():
+      trips = _ring_trips(op)
+      if trips is not None and op.location.file is not None:
+        split_off.add(_line_and_trips(op, trips))
+  return sum(_unroll_in(module, g, split_off) for g in module.functions.values())
+
+
+def _line_and_trips(op: ir.Op, trips: tuple[int, int]):
+  return op.location.file, op.location.line, op.location.column, trips[1]
+
+
+def _unroll_in(module: ir.Module, graph: ir.Graph, split_off: set) -> int:
+  count = 0
+  new_ops: list[ir.Op] = []
+  replace: dict[int, ir.Value] = {}
+  for op in graph.ops:
+    op.operands = [replace.get(v.id, v) for v in op.operands]
+    for region in op.regions:
+      count += _unroll_in(module, region, split_off)
+    trips = _ring_trips(op)
+    if trips is None and op.name == "while" and len(op.regions) == 2:
+      counter = counter_of(op)
+      if counter is not None and _line_and_trips(op, counter) in split_off:
+        trips = counter
+    if trips is None:
+      new_ops.append(op)
+      continue
+    unrolled = ir.Graph(graph.name)
+    carries = _unroll(module, op, trips, unrolled)
+    new_ops.extend(unrolled.ops)
+    replace.update((r.id, v) for r, v in zip(op.results, carries))
+    count += 1
+  graph.ops = new_ops
+  graph.results = [replace.get(v.id, v) for v in graph.results]
+  if replace:
+    for op in graph.walk():
+      op.operands = [replace.get(v.id, v) for v in op.operands]
+  return count
+
+
+def _ring_trips(op: ir.Op) -> Optional[tuple[int, int]]:
+  """(counter carry, trip count) if ``op`` is a ring loop."""
+  if op.name != "while" or len(op.regions) != 2:
+    return None
+  counter = counter_of(op)
+  if counter is None:
+    return None
+  body = op.regions[1]
+  ring_sizes = [_ring_size(res.producer) for j, res in enumerate(body.results)
+                if j < len(body.params) and res.producer is not None
+                and res.producer.name == "collective_permute"
+                and res.producer.operands[0] is body.params[j]]
+  ring_sizes = [n for n in ring_sizes if n]
+  if not ring_sizes or counter[1] > max(ring_sizes):
+    return None
+  return counter
+
+
+def _ring_size(permute: ir.Op) -> int:
+  """How many ranks a collective_permute's pairs visit."""
+  pairs = permute.attrs.get("source_target_pairs") or ()
+  return len({rank for pair in pairs for rank in pair})
+
+
+def _unroll(module: ir.Module, loop: ir.Op, trips: tuple[int, int], into: ir.Graph
+            ) -> list[ir.Value]:
+  """Copies of ``loop``'s body, one per step with the counter a constant, into
+  ``into``: the loop's results."""
+  counter, n = trips
+  body = loop.regions[1]
+  carries = list(loop.operands)
+  for t in range(n):
+    carries[counter] = _constant(module, into, t, body.params[counter].type, loop.location)
+    carries = list(clone_into(module, body, carries, into, loop.location))
+  if n > 0:
+    carries[counter] = _constant(module, into, n, body.params[counter].type, loop.location)
+  return carries
+
+
+def _constant(module: ir.Module, graph: ir.Graph, value: int, type: ir.TensorType,
+              location: ir.Location) -> ir.Value:
+  from graphguard_hlo.loaders.stablehlo import _HashableArray
+  from graphguard_hlo.reference import cast
+  arr = np.asarray(cast(np.asarray(value), type.dtype))
+  arr.setflags(write=False)
+  return module.add_op(graph, "constant", [], [type], {"value": _HashableArray(arr)}, [],
+                       location).results[0]
