@@ -36,6 +36,9 @@
     Both shard_map only (the ring is the hand-written part); ``cp_ring``
     also forward+backward (its gather transposes to a ring reduce-scatter).
 
+  * ``ring_attention_fori``, ``ring_attention_vjp_fori``: the same with each
+    ring's steps under ``lax.fori_loop``, as ring attention libraries write it.
+
   * ``dp_tp_ring_attention``: ``dp_tp_cp`` with ring attention round "cp".
 
   * ``pp``: pipeline parallelism on "pp" (4 stages): 8 layers with stacked
@@ -187,17 +190,35 @@ def _block_scores(q, k, mask):
   return jnp.where(mask, scores, np.float32(-1e9))
 
 
-def _online_softmax_ring(q, k, v, axis_name, shift=1, rescale_output=True, ring_axis=None):
+def _varying_like(x, carry):
+  """``carry`` typed as varying over the mesh axes ``x`` varies over: a loop's
+  carry keeps one type, and the accumulators become per-rank values."""
+  axes = _varying_axes(x)
+  return tuple(lax.pcast(c, axes, to="varying") if set(axes) - set(_varying_axes(c)) else c
+               for c in carry)
+
+
+def _varying_axes(x) -> tuple:
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)   # (jax 0.10; ``vma`` before)
+  return tuple(mat.varying if mat is not None else aval.vma)
+
+
+def _online_softmax_ring(q, k, v, axis_name, shift=1, rescale_output=True, ring_axis=None,
+                         fori=False):
   """Causal attention of this rank's queries round a ring of k/v blocks:
-  (out [b, h, s, hd], row max m, denominator l)."""
+  (out [b, h, s, hd], row max m, denominator l).  ``fori``: the steps as a
+  ``lax.fori_loop`` whose every step passes its block on (the last one brings
+  each block home), as ring attention libraries write it; else a Python loop,
+  the last step keeping its block."""
   ring_axis = ring_axis or axis_name
   b, s, h, hd = q.shape
   n = lax.axis_size(axis_name)
   r = lax.axis_index(axis_name)
-  m = jnp.full((b, h, s), -jnp.inf, jnp.float32)
-  l = jnp.zeros((b, h, s), jnp.float32)
-  o = jnp.zeros((b, h, s, hd), jnp.float32)
-  for t in range(n):
+  perm = _ring_perm(n, shift)
+
+  def step(t, carry, pass_on=True):
+    k, v, m, l, o = carry
     scores = _block_scores(q, k, _block_mask(s, r, n, t))
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
     rescale = jnp.exp(m - m_new)
@@ -205,10 +226,18 @@ def _online_softmax_ring(q, k, v, axis_name, shift=1, rescale_output=True, ring_
     l = rescale * l + jnp.sum(p, axis=-1)
     kept = rescale[..., None] * o if rescale_output else o
     o = kept + jnp.einsum("bhst,bthd->bhsd", p, v)
-    m = m_new
-    if t < n - 1:
-      perm = _ring_perm(n, shift)
+    if pass_on:
       k, v = lax.ppermute(k, ring_axis, perm), lax.ppermute(v, ring_axis, perm)
+    return k, v, m_new, l, o
+
+  carry = (k, v, jnp.full((b, h, s), -jnp.inf, jnp.float32),
+           jnp.zeros((b, h, s), jnp.float32), jnp.zeros((b, h, s, hd), jnp.float32))
+  if fori:
+    carry = lax.fori_loop(0, n, step, _varying_like(q, carry))
+  else:
+    for t in range(n):
+      carry = step(t, carry, pass_on=t < n - 1)
+  _, _, m, l, o = carry
   return o / l[..., None], m, l
 
 
@@ -218,7 +247,7 @@ def _merge_heads(out):
   return out.transpose(0, 2, 1, 3).reshape(b, s, h * hd)
 
 
-def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None):
+def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None, fori=False):
   """Ring attention (Liu et al.) for causal attention: k/v blocks go round
   the ring; each step scores this rank's queries against the block in hand,
   masked at both blocks' offsets, and folds it into an online softmax (running
@@ -227,14 +256,15 @@ def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None):
   came from it.  ``rescale_output=False``, the other: o is not rescaled when
   the running max grows (l is), so earlier blocks keep too large a weight.
   ``ring_axis`` (default ``axis_name``): the axis the blocks go round; another
-  one is the wrong-axis bug."""
+  one is the wrong-axis bug.  ``fori``: the ring's steps under ``lax.fori_loop``."""
   def attend(q, k, v):
-    out, _, _ = _online_softmax_ring(q, k, v, axis_name, shift, rescale_output, ring_axis)
+    out, _, _ = _online_softmax_ring(q, k, v, axis_name, shift, rescale_output, ring_axis,
+                                     fori)
     return _merge_heads(out)
   return attend
 
 
-def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True):
+def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True, fori=False):
   """Ring attention with its backward pass written by hand, as ring attention
   libraries do (a ``custom_vjp``; the blockwise backward of Liu et al., flash
   attention's recurrence): the forward is ``_ring_attention``'s and saves each
@@ -250,9 +280,10 @@ def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True):
   ``grad_shift=-1`` is a bug: dk and dv go round the ring the other way from
   their blocks, so each rank's sum mixes other blocks' gradients.
   ``lse_log=False``, another: ``lse = m + l`` (the log forgotten), so the
-  recomputed probabilities are not the forward's."""
+  recomputed probabilities are not the forward's.  ``fori``: both rings'
+  steps under ``lax.fori_loop``."""
   def forward(q, k, v):
-    out, m, l = _online_softmax_ring(q, k, v, axis_name)
+    out, m, l = _online_softmax_ring(q, k, v, axis_name, fori=fori)
     return _merge_heads(out), (q, k, v, out, m + (jnp.log(l) if lse_log else l))
 
   def backward(res, dout):
@@ -264,8 +295,9 @@ def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True):
     perm = _ring_perm(n)
     dout = dout.reshape(b, s, h, hd).transpose(0, 2, 1, 3)          # [b, h, s, hd]
     d = jnp.sum(dout * out, axis=-1)                                 # [b, h, s]
-    dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    for t in range(n):
+
+    def step(t, carry):
+      k, v, dq, dk, dv = carry
       mask = _block_mask(s, r, n, t)
       p = jnp.exp(_block_scores(q, k, mask) - lse[..., None])
       dv = dv + jnp.einsum("bhst,bhsd->bthd", p, dout)
@@ -275,16 +307,25 @@ def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True):
       dk = dk + jnp.einsum("bhst,bshd->bthd", ds, q)
       k, v = (lax.ppermute(x, axis_name, perm) for x in (k, v))
       dk, dv = (lax.ppermute(x, axis_name, _ring_perm(n, grad_shift)) for x in (dk, dv))
-    return dq, dk, dv
+      return k, v, dq, dk, dv
+
+    carry = (k, v, jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+    if fori:
+      carry = lax.fori_loop(0, n, step, _varying_like(q, carry))
+    else:
+      for t in range(n):
+        carry = step(t, carry)
+    return carry[2:]
 
   attend = jax.custom_vjp(lambda q, k, v: forward(q, k, v)[0])
   attend.defvjp(forward, backward)
   return attend
 
 
-def _ring_attention_par(shift=1, rescale_output=True):
+def _ring_attention_par(shift=1, rescale_output=True, fori=False):
   """``cp`` with ring attention instead of gathered k/v."""
-  return dataclasses.replace(_cp_par(), attend=_ring_attention("cp", shift, rescale_output))
+  return dataclasses.replace(_cp_par(), attend=_ring_attention("cp", shift, rescale_output,
+                                                               fori=fori))
 
 
 def _ring_attention_vjp_par(**bug):
@@ -643,6 +684,12 @@ RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_p
                            _ring_attention_par)
 RING_ATTENTION_VJP = _Strategy("ring_attention_vjp", (4,), ("cp",), P(None, "cp"),
                                _cp_param_spec, _ring_attention_vjp_par)
+# The same with each ring's steps under lax.fori_loop (passes/ring_loops.py).
+RING_ATTENTION_FORI = _Strategy("ring_attention_fori", (4,), ("cp",), P(None, "cp"),
+                                _cp_param_spec, functools.partial(_ring_attention_par, fori=True))
+RING_ATTENTION_VJP_FORI = dataclasses.replace(
+    RING_ATTENTION_VJP, name="ring_attention_vjp_fori",
+    par=functools.partial(_ring_attention_vjp_par, fori=True))
 DP_TP_RING_ATTENTION = _Strategy("dp_tp_ring_attention", (2, 2, 2), ("dp", "tp", "cp"),
                                  P("dp", "cp"), _dp_tp_cp_param_spec, _dp_tp_ring_attention_par)
 DP_TP_RING_ATTENTION_VJP = dataclasses.replace(DP_TP_RING_ATTENTION,
@@ -1566,6 +1613,14 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                  ring_attention_scan.par()))
     built.append(_shard_map_case(model, RING_ATTENTION, cfg, "wrong_permutation",
                                  _ring_attention_par(shift=-1), "wrong_permutation", "reduce"))
+  # The same with the ring's steps under lax.fori_loop (unrolled, ring_loops.py):
+  # alone and with the layers under lax.scan; and turning the wrong way.
+  for model in MODELS:
+    for strategy in (RING_ATTENTION_FORI, _scanned(RING_ATTENTION_FORI)):
+      built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
+  built.append(_shard_map_case("llama3", RING_ATTENTION_FORI, cfg, "wrong_permutation",
+                               _ring_attention_par(shift=-1, fori=True), "wrong_permutation",
+                               "reduce"))
   # On the 2x2x2 mesh with TP heads and batch over dp; the ring round "tp"
   # instead of "cp" passes other heads' keys: only block cp+0 is ever formed.
   ring_3d_scan = _scanned(DP_TP_RING_ATTENTION)
@@ -1580,7 +1635,8 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   if grad:
     for model in MODELS:
       for strategy in (RING_ATTENTION_VJP, _scanned(RING_ATTENTION_VJP),
-                       DP_TP_RING_ATTENTION_VJP):
+                       DP_TP_RING_ATTENTION_VJP, RING_ATTENTION_VJP_FORI,
+                       _scanned(RING_ATTENTION_VJP_FORI)):
         built.append(_shard_map_grad_case(model, strategy, cfg))
     for model, variant, flags, bug, primitive in (
         ("llama3", "grads_wrong_way", dict(grad_shift=-1), "wrong_permutation", "dot_general"),
