@@ -7,7 +7,8 @@ from typing import Optional
 from graphguard_hlo import ir
 from graphguard_hlo.gcutil import without_cyclic_gc
 from graphguard_hlo.passes.dist_program import DistProgram, canonicalize_dist, needs_partitioning
-from graphguard_hlo.passes.canonicalize import canonicalize_graph, canonicalize_module
+from graphguard_hlo.passes.canonicalize import (UNROLLED_RING_PATTERNS, canonicalize_graph,
+                                                canonicalize_module)
 from graphguard_hlo.passes.transfer import ring_axes
 from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.passes.rank_cases import rank_case_patterns
@@ -31,16 +32,18 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
   # A ring written as a fori_loop or scan over its steps reads as the Python
   # loop it replaces (ring_loops.py): the sequential program has no loop to
   # prove it against by induction.
-  unroll_ring_loops(dist)
+  unrolled = unroll_ring_loops(dist)
   canonicalize_module(dist)
   program = canonicalize_dist(dist, num_partitions)
+  program.unrolled_ring_loops = unrolled
   # Rings are seen once collectives read as mesh axes: then the ring forms
   # (canonicalize.RING_PATTERNS) for this program, and for the sequential one.
   program.rings = ring_axes(program.graph, program.mesh)
   # And buffers read and written at rows that depend on a rank (rank_cases.py).
   cases = rank_case_patterns(program.graph, program.mesh, program.param_layouts)
-  if program.rings or cases:
-    canonicalize_graph(dist, program.graph, rings=bool(program.rings), extra=cases)
+  extra = cases + (UNROLLED_RING_PATTERNS if unrolled else ())
+  if program.rings or extra:
+    canonicalize_graph(dist, program.graph, rings=bool(program.rings), extra=extra)
   return program
 
 
@@ -49,7 +52,9 @@ def prepare_seq(seq: ir.Module, program: Optional[DistProgram] = None) -> ir.Mod
   """``program``: the per-device program it is checked against, prepared
   first (its rings ask for the ring forms here too)."""
   inline_calls(seq)
-  canonicalize_module(seq, rings=bool(program is not None and program.rings))
+  canonicalize_module(seq, rings=bool(program is not None and program.rings),
+                      extra=UNROLLED_RING_PATTERNS if program is not None
+                      and program.unrolled_ring_loops else ())
   return seq
 
 

@@ -751,7 +751,14 @@ def _reshape_of_broadcast_units(module, graph, op) -> Optional[ir.Value]:
 RING_PATTERNS: tuple[Pattern, ...] = (
     _dot_of_transpose, _dot_operand_order,  # before divide_after_dot: it rewrites the dot in order
     online_softmax.online_rescale, online_softmax.divide_after_dot,
-    softmax_backward.lse_as_division, softmax_backward.division_vjp_as_flash,
+    softmax_backward.lse_as_division, softmax_backward.division_vjp_as_flash)
+
+# Where a ring loop was unrolled (ring_loops.py): each step reads what jax
+# stacked per step at its constant index, and these bring that to the Python
+# loop's spelling.  Only there: a reshape of a broadcast fires where a device
+# holds one head (unit dims) and the sequential program holds many, and would
+# part a pipeline's matched softmax.
+UNROLLED_RING_PATTERNS: tuple[Pattern, ...] = (
     _dynamic_slice_at_constants, _one_element_of_iota, _reshape_of_broadcast_units)
 
 
@@ -872,13 +879,13 @@ def _drop_dead_ops(g: ir.Graph) -> None:
       _drop_dead_ops(region)
 
 
-def canonicalize_module(module: ir.Module, rings: bool = False) -> int:
+def canonicalize_module(module: ir.Module, rings: bool = False, extra: tuple = ()) -> int:
   from graphguard_hlo.passes.loop_copies import forward_stacked_copies
   from graphguard_hlo.passes.loop_constants import sink_constant_carries
   from graphguard_hlo.passes.remat import rematerialize_saved_rows
   rewrites = 0
   for g in module.functions.values():
-    rewrites += canonicalize_graph(module, g, rings)
+    rewrites += canonicalize_graph(module, g, rings, extra)
     if forward_stacked_copies(module, g):
       rewrites += 1
       _drop_dead_ops(g)
@@ -886,6 +893,6 @@ def canonicalize_module(module: ir.Module, rings: bool = False) -> int:
     # recomputed row's unit dims, a sunk mask), so the patterns run again.
     loops = sink_constant_carries(module, g) + rematerialize_saved_rows(module, g)
     if loops:
-      rewrites += loops + canonicalize_graph(module, g, rings)
+      rewrites += loops + canonicalize_graph(module, g, rings, extra)
       _drop_dead_ops(g)
   return rewrites

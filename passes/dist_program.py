@@ -37,6 +37,8 @@ class DistProgram:
   param_splats: dict[int, float] = dataclasses.field(default_factory=dict)
   # Mesh axes a ring of collective-permutes passes blocks round.
   rings: frozenset = frozenset()
+  # Ring loops unrolled into the Python loop's form (ring_loops.py).
+  unrolled_ring_loops: int = 0
 
 
 def is_manual(module: ir.Module) -> bool:
