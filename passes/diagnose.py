@@ -9,7 +9,7 @@ with the related values nearby.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -714,7 +714,10 @@ def _context(inf, op: ir.Op, limit: int = 6) -> tuple[list[str], list[str]]:
   return seq_lines[-limit:], dist_lines[:limit]
 
 
-def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[Layout]):
+def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[Layout],
+                    dist_outputs: Sequence[ir.Value] = ()):
+  """Why sequential output i is not distributed output ``d``.  ``dist_outputs``:
+  all of them, to tell outputs returned in another order."""
   from graphguard_hlo.passes.inference import Failure
   target = inf.deg.of(d)
   rels = inf.relations.get(s.id, [])
@@ -733,6 +736,12 @@ def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[La
       problems.append(f"output {i} is laid out as {r.layout.describe('out')} but the "
                       f"distributed module declares {declared.describe('out')}")
   if not mine:
+    elsewhere = [j for j, other in enumerate(dist_outputs) if j != i and any(
+        r.cls == inf.deg.of(other) and r.layout.is_clean() and not r.layout.partial
+        for r in rels)]
+    if elsewhere:
+      problems.append(f"sequential output {i} is what distributed output {elsewhere[0]} "
+                      f"holds (outputs returned in another order?)")
     for r in rels:
       words = _collective_words(inf, r.cls, r.layout)
       if words:

@@ -676,7 +676,7 @@ class RelationInference:
                       self._stats(processed))
       if not ok:
         from graphguard_hlo.passes.diagnose import diagnose_output
-        failure = diagnose_output(self, i, s, d, declared)
+        failure = diagnose_output(self, i, s, d, declared, dist.graph.results)
         return Result("not_proved", outputs, failure, self._stats(processed))
       outputs.append(OutputRelation(i, ok[0].layout.describe(f"out{i}"), ok[0].layout))
     return Result("refines", outputs, None, self._stats(processed))

@@ -118,3 +118,5 @@ def test_accumulators_added_into_each_other_are_reported_at_the_outputs():
   result = _verify_accumulators(_accumulate(into=lambda i: (i + 1) % ACCUMULATORS))
   assert not result.refines
   assert result.failure.op_name == "output" and result.failure.output_index == 0
+  assert "sequential output 0 is what distributed output 4 holds (outputs returned in " \
+         "another order?)" in result.failure.diagnosis, result.failure.diagnosis
