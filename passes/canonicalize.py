@@ -718,6 +718,19 @@ def _iota_value(v: ir.Value, depth: int = 4):
     return None
 
 
+def _permute_of_zeros(module, graph, op) -> Optional[ir.Value]:
+  """collective_permute(0) -> 0: whichever rank sends, and a rank no one
+  sends to receives zeros.  An unrolled ring loop's transpose sends its
+  zero-initialized cotangent on at the first step."""
+  if op.name != "collective_permute" or len(op.operands) != 1:
+    return None
+  from graphguard_hlo.passes.terms import splat_value
+  x = op.operands[0]
+  if splat_value(x) != 0.0 or x.type != op.results[0].type:
+    return None
+  return x
+
+
 def _reshape_of_broadcast_units(module, graph, op) -> Optional[ir.Value]:
   """reshape(broadcast_in_dim(y)) that only drops or adds unit dims -> one
   broadcast_in_dim(y), when y's dims all land on dims the reshape keeps.
@@ -759,7 +772,8 @@ RING_PATTERNS: tuple[Pattern, ...] = (
 # holds one head (unit dims) and the sequential program holds many, and would
 # part a pipeline's matched softmax.
 UNROLLED_RING_PATTERNS: tuple[Pattern, ...] = (
-    _dynamic_slice_at_constants, _one_element_of_iota, _reshape_of_broadcast_units)
+    _dynamic_slice_at_constants, _one_element_of_iota, _reshape_of_broadcast_units,
+    _permute_of_zeros)
 
 
 def _emit(module, graph, op, name, operands, attrs) -> ir.Value:

@@ -192,3 +192,22 @@ def test_one_element_of_an_iota_is_a_constant(data):
   # (a slice of all of a one-element iota is that iota)
   assert splat_value(b.g.results[0]) == before.item() or set(shape) == {1}
   np.testing.assert_array_equal(b.run([])[0], before)
+
+
+@SETTINGS
+@given(st.data())
+def test_a_permute_of_zeros_is_zeros(data):
+  """Whoever sends, and whether or not a rank is sent to (it then receives zeros)."""
+  ranks = 4
+  pairs = data.draw(st.lists(st.tuples(st.integers(0, ranks - 1), st.integers(0, ranks - 1)),
+                             max_size=ranks, unique_by=(lambda p: p[0], lambda p: p[1])))
+  b = Builder([_t(3)])
+  sent = b.op("collective_permute", [b.splat(0.0, (3,))], _t(3),
+              source_target_pairs=tuple(pairs))
+  b.g.results = [b.op("add", [b.g.params[0], sent], _t(3))]
+  x = [np.random.default_rng(k).standard_normal(3) for k in range(ranks)]
+  before = Interpreter(ranks).run(b.g, [x])[b.g.results[0].id]
+  canonicalize_graph(b.m, b.g, rings=True, extra=UNROLLED_RING_PATTERNS)
+  assert not any(op.name == "collective_permute" for op in b.g.walk())
+  after = Interpreter(ranks).run(b.g, [x])[b.g.results[0].id]
+  np.testing.assert_array_equal(np.stack(after), np.stack(before))

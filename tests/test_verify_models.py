@@ -91,6 +91,7 @@ _DIAGNOSES: dict[str, str] = {
                                                        "sum is over 'tp' (wrong replica groups",
     "llama3/pp_gpipe_grad/shard_map/double_counted_grad": "4 times its share",
     "gpt2/cp_ring/shard_map/wrong_permutation": "ring turning the wrong way",
+    "gpt2/cp_ring_fori/shard_map/wrong_permutation": "ring turning the wrong way",
     "llama3/cp_ring/shard_map/wrong_permutation": "ring turning the wrong way",
     "gpt2/ring_attention/shard_map/wrong_permutation": "a ring turning the wrong way",
     "llama3/ring_attention/shard_map/wrong_permutation": "a ring turning the wrong way",

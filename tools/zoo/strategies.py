@@ -36,8 +36,9 @@
     Both shard_map only (the ring is the hand-written part); ``cp_ring``
     also forward+backward (its gather transposes to a ring reduce-scatter).
 
-  * ``ring_attention_fori``, ``ring_attention_vjp_fori``: the same with each
-    ring's steps under ``lax.fori_loop``, as ring attention libraries write it.
+  * ``cp_ring_fori``, ``ring_attention_fori``, ``ring_attention_vjp_fori``:
+    the same with each ring's steps under ``lax.fori_loop``, as ring attention
+    libraries write it.
 
   * ``dp_tp_ring_attention``: ``dp_tp_cp`` with ring attention round "cp".
 
@@ -157,22 +158,30 @@ def _ring_perm(n, shift=1):
   return [(i, (i + shift) % n) for i in range(n)]
 
 
-def _ring_gather_seq(axis_name, shift=1):
+def _ring_gather_seq(axis_name, shift=1, fori=False):
   """Keys and values gathered round a ring of ``ppermute``s (the exchange of
   ring attention, which overlaps it with compute): each step writes the block
   in hand at its place, ``(r - t) mod n``, then passes it on to rank r + 1.
   ``shift=-1`` is the bug: blocks go to rank r - 1 while the offsets assume
-  they came from it."""
+  they came from it.  ``fori``: the steps under ``lax.fori_loop`` (every step
+  passes its block on)."""
   def gather(x, axis=1):
     n = lax.axis_size(axis_name)
     r = lax.axis_index(axis_name)
     block = x.shape[axis]
     buf = jnp.zeros(x.shape[:axis] + (n * block,) + x.shape[axis + 1:], x.dtype)
-    for t in range(n):
+
+    def step(t, carry, pass_on=True):
+      x, buf = carry
       buf = lax.dynamic_update_slice_in_dim(buf, x, ((r - t) % n) * block, axis)
-      if t < n - 1:
-        x = lax.ppermute(x, axis_name, _ring_perm(n, shift))
-    return buf
+      return (lax.ppermute(x, axis_name, _ring_perm(n, shift)) if pass_on else x), buf
+
+    if fori:
+      return lax.fori_loop(0, n, step, _varying_like(x, (x, buf)))[1]
+    carry = (x, buf)
+    for t in range(n):
+      carry = step(t, carry, pass_on=t < n - 1)
+    return carry[1]
   return gather
 
 
@@ -344,9 +353,9 @@ def _dp_tp_ring_attention_par(ring_axis="cp"):
                              attend=_ring_attention("cp", ring_axis=ring_axis))
 
 
-def _ring_par(shift=1):
+def _ring_par(shift=1, fori=False):
   """``cp`` with keys and values passed round a ring instead of all-gathered."""
-  return dataclasses.replace(_cp_par(), gather_kv=_ring_gather_seq("cp", shift))
+  return dataclasses.replace(_cp_par(), gather_kv=_ring_gather_seq("cp", shift, fori))
 
 
 def _cp_par(base=None, loss_axes=("cp",), gather_axis="cp", with_offset=True):
@@ -685,6 +694,8 @@ RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_p
 RING_ATTENTION_VJP = _Strategy("ring_attention_vjp", (4,), ("cp",), P(None, "cp"),
                                _cp_param_spec, _ring_attention_vjp_par)
 # The same with each ring's steps under lax.fori_loop (passes/ring_loops.py).
+CP_RING_FORI = _Strategy("cp_ring_fori", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
+                         functools.partial(_ring_par, fori=True))
 RING_ATTENTION_FORI = _Strategy("ring_attention_fori", (4,), ("cp",), P(None, "cp"),
                                 _cp_param_spec, functools.partial(_ring_attention_par, fori=True))
 RING_ATTENTION_VJP_FORI = dataclasses.replace(
@@ -1600,6 +1611,15 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_shard_map_grad_case(model, ring_scan, cfg))
   built.append(_shard_map_case("gpt2", CP_RING, cfg, "wrong_permutation", _ring_par(shift=-1),
                                "wrong_permutation", "dot_general"))
+  # The same under lax.fori_loop (ring_loops.py); its transpose, a ring
+  # reduce-scatter, is a reversed loop at the same line, unrolled with it.
+  for model in MODELS:
+    built.append(_shard_map_case(model, CP_RING_FORI, cfg, "ok", CP_RING_FORI.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, CP_RING_FORI, cfg))
+  built.append(_shard_map_case("gpt2", CP_RING_FORI, cfg, "wrong_permutation",
+                               _ring_par(shift=-1, fori=True), "wrong_permutation",
+                               "dot_general"))
   built.append(_shard_map_case("llama3", CP_RING, cfg, "wrong_permutation",
                                _ring_par(shift=-1), "wrong_permutation", "broadcast_in_dim"))
   # Ring attention (online softmax round the ring), and the ring turning the
