@@ -15,11 +15,12 @@ constant (``loop_copies.counter_of``), N is at most the number of ranks the
 ring visits, and some carry goes round the ring unchanged (the body returns
 ``collective_permute`` of that carry's parameter).  A scan over layers is
 never one: no layer passes its input on untouched.  Also unrolled: a counter
-loop of the same N at the same source line as a ring loop, with no exchange
-of its own.  jax splits a ring loop that way when it differentiates a scan
-over layers holding one: what each step computes from the rank and the step
-alone (ring attention's block masks) is hoisted out of the layers' loop into
-a loop of its own, stacked per step.  Unrolling costs N copies of the body,
+loop of the same N at the same source line as a ring loop.  jax makes such
+loops of one when it transposes it (a ring gather's transpose runs the steps
+backwards, a ring reduce-scatter) and when it differentiates a scan over
+layers holding one (what each step computes from the rank and the step
+alone, ring attention's block masks, is hoisted out of the layers' loop into
+a loop of its own, stacked per step).  Unrolling costs N copies of the body,
 the same as the Python loop would have; it is sound for any loop.
 """
 
