@@ -19,6 +19,7 @@ from graphguard_hlo.passes.dist_program import canonicalize_dist
 from graphguard_hlo.passes.ring_loops import unroll_ring_loops
 from graphguard_hlo.passes.terms import splat_value
 from tests.test_online_softmax import SETTINGS, Builder, _t
+from tests.numbers import random_inputs, run_placed
 from tools.zoo.cases import mesh_of
 
 N, S, T, D = 4, 8, 8, 3
@@ -59,13 +60,11 @@ def _args():
 
 
 def _values(seed=0):
-  rng = np.random.default_rng(seed)
-  return [rng.standard_normal(a.shape).astype(np.float32) for a in _args()]
+  return random_inputs(_args(), seed)
 
 
 def _run(dist):
-  args = [jax.device_put(v, a.sharding) for v, a in zip(_values(), _args())]
-  return np.asarray(dist(*args))
+  return run_placed(dist, _args(), _values())
 
 
 @pytest.mark.parametrize("scan", [False, True])

@@ -12,6 +12,7 @@ from jax import lax, shard_map
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from graphguard_hlo import api
+from tests.numbers import random_inputs, run_placed
 from tools.zoo.cases import mesh_of
 
 N, S, T, D, E = 4, 8, 8, 3, 5
@@ -56,13 +57,11 @@ def _args():
 
 
 def _values(seed=0):
-  rng = np.random.default_rng(seed)
-  return [rng.standard_normal(a.shape).astype(np.float32) for a in _args()]
+  return random_inputs(_args(), seed)
 
 
 def _run(dist):
-  args = [jax.device_put(v, a.sharding) for v, a in zip(_values(), _args())]
-  return np.asarray(dist(*args))
+  return run_placed(dist, _args(), _values())
 
 
 @pytest.mark.parametrize("transposed,scale", [(False, 1.0), (True, 1.0), (True, 2.0)])
