@@ -342,15 +342,15 @@ def _ring_attention_vjp_par(**bug):
   return dataclasses.replace(_cp_par(), attend=_ring_attention_vjp("cp", **bug))
 
 
-def _dp_tp_ring_attention_vjp_par():
+def _dp_tp_ring_attention_vjp_par(fori=False):
   """``dp_tp_cp`` with ring attention round "cp" and its hand-written backward."""
-  return dataclasses.replace(_dp_tp_cp_par(), attend=_ring_attention_vjp("cp"))
+  return dataclasses.replace(_dp_tp_cp_par(), attend=_ring_attention_vjp("cp", fori=fori))
 
 
-def _dp_tp_ring_attention_par(ring_axis="cp"):
+def _dp_tp_ring_attention_par(ring_axis="cp", fori=False):
   """``dp_tp_cp`` with ring attention round "cp" (each rank's tp heads)."""
   return dataclasses.replace(_dp_tp_cp_par(),
-                             attend=_ring_attention("cp", ring_axis=ring_axis))
+                             attend=_ring_attention("cp", ring_axis=ring_axis, fori=fori))
 
 
 def _ring_par(shift=1, fori=False):
@@ -706,6 +706,12 @@ DP_TP_RING_ATTENTION = _Strategy("dp_tp_ring_attention", (2, 2, 2), ("dp", "tp",
 DP_TP_RING_ATTENTION_VJP = dataclasses.replace(DP_TP_RING_ATTENTION,
                                                name="dp_tp_ring_attention_vjp",
                                                par=_dp_tp_ring_attention_vjp_par)
+DP_TP_RING_ATTENTION_FORI = dataclasses.replace(
+    DP_TP_RING_ATTENTION, name="dp_tp_ring_attention_fori",
+    par=functools.partial(_dp_tp_ring_attention_par, fori=True))
+DP_TP_RING_ATTENTION_VJP_FORI = dataclasses.replace(
+    DP_TP_RING_ATTENTION, name="dp_tp_ring_attention_vjp_fori",
+    par=functools.partial(_dp_tp_ring_attention_vjp_par, fori=True))
 
 # Expert parallelism: llama3 only (its MLP is the MoE layer), 4 experts.
 EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
@@ -1668,6 +1674,15 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                         bug_primitive=primitive))
   built.append(_shard_map_case("llama3", DP_TP_RING_ATTENTION, cfg, "ring_over_wrong_axis",
                                _dp_tp_ring_attention_par(ring_axis="tp"),
+                               "ring_over_wrong_axis", "reduce"))
+  # Both rings under lax.fori_loop on the 2x2x2 mesh, and the ring round "tp".
+  for model in MODELS:
+    built.append(_shard_map_case(model, DP_TP_RING_ATTENTION_FORI, cfg, "ok",
+                                 DP_TP_RING_ATTENTION_FORI.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, DP_TP_RING_ATTENTION_VJP_FORI, cfg))
+  built.append(_shard_map_case("gpt2", DP_TP_RING_ATTENTION_FORI, cfg, "ring_over_wrong_axis",
+                               _dp_tp_ring_attention_par(ring_axis="tp", fori=True),
                                "ring_over_wrong_axis", "reduce"))
   # The output not rescaled when the running max grows: the row max and the
   # denominator are right, the first op reading the output's sum is the
