@@ -12,9 +12,10 @@ forms of canonicalize.py, rank arithmetic on the now constant step) applies.
 
 A loop is unrolled when it is one: a counter runs 0, 1, ... < N with N a
 constant (``loop_copies.counter_of``), N is at most the number of ranks the
-ring visits, and some carry goes round the ring unchanged (the body returns
-``collective_permute`` of that carry's parameter).  A scan over layers is
-never one: no layer passes its input on untouched.  Also unrolled: a counter
+ring visits, and some carry's next value is what a ``collective_permute``
+sends round the ring (the block in hand, or a pipeline stage's output).  A
+scan over layers is never one: a layer's output is computed, not received.
+Also unrolled: a counter
 loop of the same N at the same source line as a ring loop.  jax makes such
 loops of one when it transposes it (a ring gather's transpose runs the steps
 backwards, a ring reduce-scatter) and when it differentiates a scan over
@@ -88,10 +89,8 @@ def _ring_trips(op: ir.Op) -> Optional[tuple[int, int]]:
   if counter is None:
     return None
   body = op.regions[1]
-  ring_sizes = [_ring_size(res.producer) for j, res in enumerate(body.results)
-                if j < len(body.params) and res.producer is not None
-                and res.producer.name == "collective_permute"
-                and res.producer.operands[0] is body.params[j]]
+  ring_sizes = [_ring_size(res.producer) for res in body.results
+                if res.producer is not None and res.producer.name == "collective_permute"]
   ring_sizes = [n for n in ring_sizes if n]
   if not ring_sizes or counter[1] > max(ring_sizes):
     return None

@@ -107,19 +107,31 @@ def test_unrolling_computes_what_the_loop_did():
     np.testing.assert_allclose(outs[1][rank], outs[0][rank], rtol=1e-6)
 
 
-def _pipeline_like(body_of_step, steps=N):
+def _loop_over(step, steps=N):
   def body(x):
-    perm = [(i, (i + 1) % N) for i in range(N)]
-    return lax.fori_loop(0, steps, lambda t, h: lax.ppermute(body_of_step(h), "cp", perm), x)
+    return lax.fori_loop(0, steps, lambda t, h: step(h), x)
   return jax.jit(shard_map(body, mesh=MESH, in_specs=SPEC, out_specs=SPEC))
 
 
-@pytest.mark.parametrize("fn,steps", [(jnp.tanh, N),         # a stage's output sent on
-                                      (lambda h: h, N + 1)])  # more steps than ranks
-def test_loops_that_are_not_rings_stay_loops(fn, steps):
-  module = lower_distributed(_pipeline_like(fn, steps), jax.ShapeDtypeStruct(
+def _unrolled(step, steps=N) -> int:
+  module = lower_distributed(_loop_over(step, steps), jax.ShapeDtypeStruct(
       (S, D), np.float32, sharding=NamedSharding(MESH, SPEC)))
-  assert unroll_ring_loops(module) == 0
+  return unroll_ring_loops(module)
+
+
+_SEND = lambda h: lax.ppermute(h, "cp", [(i, (i + 1) % N) for i in range(N)])
+
+
+def test_a_stage_output_sent_on_is_a_ring_loop():
+  """A pipeline's rounds: each stage computes, then sends its output on."""
+  assert _unrolled(lambda h: _SEND(jnp.tanh(h))) >= 1
+
+
+@pytest.mark.parametrize("step,steps", [
+    (lambda h: jnp.tanh(_SEND(h)), N),  # what is received is computed on: a layer
+    (_SEND, N + 1)])                     # more steps than ranks
+def test_loops_that_are_not_rings_stay_loops(step, steps):
+  assert _unrolled(step, steps) == 0
 
 
 # -- the canonical forms an unrolled loop needs ---------------------------------------

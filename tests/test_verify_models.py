@@ -57,6 +57,8 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/ep_capacity/shard_map/slots_over_all_tokens": "it is a reshape of",
     "gpt2/pp/shard_map/wrong_permutation": "activations or their cotangents passed to the wrong stage?",
     "llama3/pp/shard_map/wrong_permutation": "activations or their cotangents passed to the wrong stage?",
+    "llama3/pp_fori/shard_map/wrong_permutation":
+        "activations or their cotangents passed to the wrong stage?",
     "gpt2/pp_grad/shard_map/double_counted_grad": "4 times the sequential one",
     "gpt2/pp_tp/shard_map/wrong_replica_groups": "wrong replica groups",
     "llama3/pp_grad/shard_map/double_counted_grad": "4 times its share",

@@ -496,15 +496,22 @@ def _ep_par(dispatch=_to_expert_owners, **hooks):
                      "from_experts": _to_token_owners("ep"), **hooks})
 
 
-def _pipeline_stages(axis, shift=1):
+def _pipeline_stages(axis, shift=1, fori=False):
   """Pipeline parallelism on ``axis`` (no microbatches): stage s holds rows
   s*m .. s*m+m-1 of the layer stacks.  Every stage runs its layers on what it
   holds, then passes the result to stage s + ``shift``; after |axis| rounds
   the last stage holds the output, which a masked psum hands to everyone.
-  ``shift=-1`` is the seeded bug: activations flow to the previous stage."""
+  ``shift=-1`` is the seeded bug: activations flow to the previous stage.
+  ``fori``: the rounds under ``lax.fori_loop``, each one passing its result
+  on, so the output comes round to stage 0."""
   def run(h, stacked, layer):
     n = lax.axis_size(axis)
     stage = lax.axis_index(axis)
+    if fori:
+      h = lax.fori_loop(0, n, lambda t, h: lax.ppermute(
+          run_stack_in_order(h, stacked, layer), axis, _ring_perm(n, shift)),
+          _varying_like(next(iter(stacked.values())), (h,))[0])
+      return lax.psum(jnp.where(stage == 0, h, 0.0), axis)
     for t in range(n):
       h = run_stack_in_order(h, stacked, layer)
       if t < n - 1:
@@ -551,8 +558,8 @@ def _gpipe_stages(axis, microbatches, shift=1, inject_late=0, buffered=False, mi
   return run
 
 
-def _pp_par(shift=1):
-  return Parallel(run_stack=_pipeline_stages("pp", shift))
+def _pp_par(shift=1, fori=False):
+  return Parallel(run_stack=_pipeline_stages("pp", shift, fori))
 
 
 # --------------------------------------------------------------------------
@@ -674,6 +681,7 @@ def _pp_tp_par(reduce_attn=_psum):
   return _staged(_tp_par(reduce_attn))
 
 
+PP_FORI = dataclasses.replace(PP, name="pp_fori", par=functools.partial(_pp_par, fori=True))
 PP_TP = _Strategy("pp_tp", (2, 4), ("pp", "tp"), P(), _tp_param_spec, _pp_tp_par,
                   (("stacked_params", True), ("layers", 4)), layer_axis="pp")
 
@@ -1468,6 +1476,14 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                "wrong_permutation", "multiply"))
   built.append(_shard_map_case("llama3", PP, cfg, "wrong_permutation", _pp_par(shift=-1),
                                "wrong_permutation", "multiply"))
+  # The rounds under lax.fori_loop (unrolled, ring_loops.py), forward and
+  # trained, and activations flowing to the previous stage.
+  for model in MODELS:
+    built.append(_shard_map_case(model, PP_FORI, cfg, "ok", PP_FORI.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, PP_FORI, cfg))
+  built.append(_shard_map_case("llama3", PP_FORI, cfg, "wrong_permutation",
+                               _pp_par(shift=-1, fori=True), "wrong_permutation", "multiply"))
   # Forward+backward through the stages: the masked psum transposes to the
   # cotangent at the last stage and zeros elsewhere, each stage's gradient is
   # padded into its rows of the stacks; and one SGD step on top.
