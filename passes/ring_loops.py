@@ -11,8 +11,8 @@ Python loop gives, and everything that reads rings (ring_blocks.py, the ring
 forms of canonicalize.py, rank arithmetic on the now constant step) applies.
 
 A loop is unrolled when it is one: a counter runs 0, 1, ... < N with N a
-constant (``loop_copies.counter_of``), N is at most the number of ranks the
-ring visits, and some carry's next value is what a ``collective_permute``
+constant (``loop_copies.counter_of``) of at most ``MAX_STEPS``, and some
+carry's next value is what a ``collective_permute``
 sends round the ring (the block in hand, or a pipeline stage's output).  A
 scan over layers is never one: a layer's output is computed, not received.
 Also unrolled: a counter
@@ -34,6 +34,11 @@ import numpy as np
 from graphguard_hlo import ir
 from graphguard_hlo.passes.inline import clone_into
 from graphguard_hlo.passes.loop_copies import counter_of
+
+
+# A ring runs as many steps as it has ranks (or one less); a pipeline's
+# schedule M + S - 1.  Past this, the copies would cost more than they tell.
+MAX_STEPS = 64
 
 
 def unroll_ring_loops(module: ir.Module) -> int:
@@ -91,8 +96,7 @@ def _ring_trips(op: ir.Op) -> Optional[tuple[int, int]]:
   body = op.regions[1]
   ring_sizes = [_ring_size(res.producer) for res in body.results
                 if res.producer is not None and res.producer.name == "collective_permute"]
-  ring_sizes = [n for n in ring_sizes if n]
-  if not ring_sizes or counter[1] > max(ring_sizes):
+  if not any(ring_sizes) or counter[1] > MAX_STEPS:
     return None
   return counter
 

@@ -27,7 +27,8 @@ SINGLE_OUTPUT = [c for c in ALL
 # GPT-2's batch rows are one row repeated, so any order of them is the same.
 WEAK_UNDER_GAUSSIAN_TOKENS = {"llama3/sp/shard_map/rope_no_offset",
                               "gpt2/tp_vocab_take/shard_map/vocab_ids_not_offset",
-                              "gpt2/pp_gpipe_buffered/shard_map/output_misplaced"}
+                              "gpt2/pp_gpipe_buffered/shard_map/output_misplaced",
+                              "gpt2/pp_gpipe_fori/shard_map/output_misplaced"}
 
 
 def _ids(case):

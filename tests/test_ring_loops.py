@@ -16,6 +16,7 @@ from graphguard_hlo.interpret import Interpreter
 from graphguard_hlo.lowering import lower_distributed
 from graphguard_hlo.passes.canonicalize import UNROLLED_RING_PATTERNS, canonicalize_graph
 from graphguard_hlo.passes.dist_program import canonicalize_dist
+from graphguard_hlo.passes import ring_loops
 from graphguard_hlo.passes.ring_loops import unroll_ring_loops
 from graphguard_hlo.passes.terms import splat_value
 from tests.test_online_softmax import SETTINGS, Builder, _t
@@ -75,7 +76,14 @@ def test_a_ring_under_fori_loop_or_scan_is_proved(scan):
   assert result.refines, result
 
 
-@pytest.mark.parametrize("bug", [dict(shift=-1), dict(steps=N - 1)])
+def test_a_ring_running_past_its_ranks_is_proved():
+  """N + 1 steps: the last writes each rank's own block home again."""
+  result = api.verify(_seq, _ring(steps=N + 1), *_args())
+  assert result.refines, result
+
+
+@pytest.mark.parametrize("bug", [dict(shift=-1), dict(steps=N - 1),
+                                 dict(shift=-1, steps=N + 1)])
 def test_a_wrong_ring_under_fori_loop_is_reported_at_the_dot(bug):
   """Blocks sent the other way from where they are written; a step missing
   (one block never written: zeros there)."""
@@ -128,8 +136,8 @@ def test_a_stage_output_sent_on_is_a_ring_loop():
 
 
 @pytest.mark.parametrize("step,steps", [
-    (lambda h: jnp.tanh(_SEND(h)), N),  # what is received is computed on: a layer
-    (_SEND, N + 1)])                     # more steps than ranks
+    (lambda h: jnp.tanh(_SEND(h)), N),        # what is received is computed on: a layer
+    (_SEND, ring_loops.MAX_STEPS + 1)])        # more steps than are worth copying
 def test_loops_that_are_not_rings_stay_loops(step, steps):
   assert _unrolled(step, steps) == 0
 

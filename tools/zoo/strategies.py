@@ -558,6 +558,37 @@ def _gpipe_stages(axis, microbatches, shift=1, inject_late=0, buffered=False, mi
   return run
 
 
+def _gpipe_fori_stages(axis, microbatches, misplaced=0):
+  """GPipe's buffered schedule with its M + n - 1 steps under
+  ``lax.fori_loop``, as JAX's pipelining examples write it: at step t stage 0
+  takes microbatch t while t < M, every stage runs its layers and passes its
+  output on, and the last stage writes microbatch t - (n - 1) once t >= n - 1.
+  ``misplaced``: the seeded bug, microbatch m's output written at row
+  m + misplaced (mod the count)."""
+  def run(h, stacked, layer):
+    n = lax.axis_size(axis)
+    stage = lax.axis_index(axis)
+    batches = h.reshape((microbatches, h.shape[0] // microbatches) + h.shape[1:])
+
+    def step(t, carry):
+      state, outputs = carry
+      fresh = lax.dynamic_index_in_dim(batches, jnp.minimum(t, microbatches - 1), 0,
+                                       keepdims=False)
+      state = jnp.where((stage == 0) & (t < microbatches), fresh, state)
+      state = run_stack_in_order(state, stacked, layer)
+      done = t - (n - 1)
+      row = (jnp.maximum(done, 0) + misplaced) % microbatches
+      written = lax.dynamic_update_index_in_dim(outputs, state, row, 0)
+      outputs = jnp.where(done >= 0, written, outputs)
+      return lax.ppermute(state, axis, _ring_perm(n)), outputs
+
+    carry = _varying_like(next(iter(stacked.values())),
+                          (jnp.zeros_like(batches[0]), jnp.zeros_like(batches)))
+    _, outputs = lax.fori_loop(0, microbatches + n - 1, step, carry)
+    return lax.psum(jnp.where(stage == n - 1, outputs.reshape(h.shape), 0.0), axis)
+  return run
+
+
 def _pp_par(shift=1, fori=False):
   return Parallel(run_stack=_pipeline_stages("pp", shift, fori))
 
@@ -664,6 +695,9 @@ GPIPE_BUFFERED = dataclasses.replace(
     par=lambda: Parallel(run_stack=_gpipe_stages("pp", 4, buffered=True)))
 
 # GPipe with Megatron TP inside each stage: 2 stages x 4 tp ranks, 4 microbatches.
+GPIPE_FORI = dataclasses.replace(
+    GPIPE, name="pp_gpipe_fori",
+    par=lambda: Parallel(run_stack=_gpipe_fori_stages("pp", 4)))
 PP_TP_GPIPE = _Strategy("pp_tp_gpipe", (2, 4), ("pp", "tp"), P(), _tp_param_spec,
                         lambda: dataclasses.replace(_tp_par(), run_stack=_gpipe_stages("pp", 4)),
                         (("stacked_params", True), ("layers", 4), ("batch", 4)),
@@ -1530,6 +1564,13 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_shard_map_case(
         model, GPIPE_BUFFERED, cfg, "output_misplaced",
         Parallel(run_stack=_gpipe_stages("pp", 4, buffered=True, misplaced=1)),
+        "output_misplaced", first_op))
+    # The same schedule's M + S - 1 = 7 steps under lax.fori_loop (unrolled,
+    # ring_loops.py), forward only: its training step is not proved yet.
+    built.append(_shard_map_case(model, GPIPE_FORI, cfg, "ok", GPIPE_FORI.par()))
+    built.append(_shard_map_case(
+        model, GPIPE_FORI, cfg, "output_misplaced",
+        Parallel(run_stack=_gpipe_fori_stages("pp", 4, misplaced=1)),
         "output_misplaced", first_op))
   # 1F1B: each microbatch's backward as soon as its loss is known, written by
   # hand with a vjp per stage and step (one_f_one_b.py).  Bugs: a stage
