@@ -16,3 +16,14 @@ def test_compare_gives_each_ratio_their_median_and_verdict_changes(tmp_path, cap
   assert [line.split()[0] for line in out[:3]] == ["a", "b", "c"]
   assert "x 0.50" in out[0] and "x 1.50  (proved now)" in out[1] and "x 0.25" in out[2]
   assert out[3] == "3 programs: median ratio 0.50 (min 0.25, max 1.50)"
+
+
+def test_a_twin_is_named_by_the_first_rule_that_applies():
+  known = {"gpt2/cp_ring/shard_map/ok", "gpt2/pp_gpipe_buffered/shard_map/ok"}
+  rules = ["pp_gpipe_fori=pp_gpipe_buffered", "_fori="]
+  assert bench_zoo.twin_of("gpt2/cp_ring_fori/shard_map/ok", rules, known) == \
+      "gpt2/cp_ring/shard_map/ok"
+  assert bench_zoo.twin_of("gpt2/pp_gpipe_fori/shard_map/ok", rules, known) == \
+      "gpt2/pp_gpipe_buffered/shard_map/ok"
+  assert bench_zoo.twin_of("gpt2/pp_fori/shard_map/ok", rules, known) is None  # no such twin
+  assert bench_zoo.twin_of("gpt2/cp_ring/shard_map/ok", rules, known) is None  # no rule applies

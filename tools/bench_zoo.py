@@ -4,6 +4,8 @@ against another.
     python -m tools.bench_zoo --match scan_grad --json new.json
     python -m tools.bench_zoo --match scan_grad --tree ../old --json old.json
     python -m tools.bench_zoo --compare old.json new.json
+    python -m tools.bench_zoo --match _fori --twin pp_gpipe_fori=pp_gpipe_buffered \
+        --twin _fori=
 
 Per program (``tools/zoo/strategies.py``, names containing every ``--match``
 string) it reports the verdict and the median of ``--repeat`` verifications
@@ -13,7 +15,9 @@ one process.  ``--tree`` verifies with the engine of another checkout (its
 are timed on the same programs; the editable install maps
 ``graphguard_hlo.passes`` to its own tree whatever ``sys.path`` says, so
 that mapping is dropped first.  ``--compare`` prints each program's ratio and
-their median.
+their median.  ``--twin OLD=NEW`` times each program against its twin in the
+same engine and sitting: the program named with the first OLD that occurs
+replaced by NEW (a ``lax.fori_loop`` ring against its Python loop).
 """
 
 from __future__ import annotations
@@ -48,24 +52,50 @@ def _use_engine_of(tree: str) -> None:
   assert graphguard_hlo.__file__.startswith(tree), graphguard_hlo.__file__
 
 
-def _time(matches: list[str], repeat: int) -> dict[str, tuple[bool, float]]:
+def _time(matches: list[str], repeat: int, twins: list[str] = ()
+          ) -> dict[str, tuple[bool, float]]:
   sys.path.append(REPO)  # this checkout's zoo (after --tree's engine)
   from graphguard_hlo.pipeline import verify_modules
   from tools.zoo import strategies
-  names = sorted(c.name for c in strategies.model_cases() if all(m in c.name for m in matches))
+  cases = {c.name: c for c in strategies.model_cases()}
+  names = sorted(name for name in cases if all(m in name for m in matches))
   out = {}
-  for name in names:
-    case = strategies.get(name)
+
+  def timed(name: str) -> tuple[bool, float]:
     times = []
     for _ in range(repeat):
-      seq, dist = case.modules()
+      seq, dist = cases[name].modules()
       start = time.perf_counter()
       result = verify_modules(seq, dist)
       times.append(time.perf_counter() - start)
-    out[name] = (bool(result.refines), statistics.median(times))
-    print(f"{name:60s} {'proved' if result.refines else 'not proved':10s} "
+    return bool(result.refines), statistics.median(times)
+
+  ratios = []
+  for name in names:
+    out[name] = timed(name)
+    print(f"{name:60s} {'proved' if out[name][0] else 'not proved':10s} "
           f"{out[name][1]:7.3f} s", flush=True)
+    twin = twin_of(name, twins, cases)
+    if twin is not None:
+      proved, seconds = out[twin] = timed(twin)
+      ratios.append(out[name][1] / seconds)
+      print(f"  twin {twin:54s} {'proved' if proved else 'not proved':10s} "
+            f"{seconds:7.3f} s  x{ratios[-1]:5.2f}", flush=True)
+  if ratios:
+    print(f"{len(ratios)} programs against their twins: median ratio "
+          f"{statistics.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})")
   return out
+
+
+def twin_of(name: str, rules: list[str], known) -> str | None:
+  """``name`` with the first rule's OLD that occurs in it replaced by NEW
+  (rules ``OLD=NEW``), if that names a known program."""
+  for rule in rules:
+    old, _, new = rule.partition("=")
+    if old and old in name:
+      twin = name.replace(old, new, 1)
+      return twin if twin in known and twin != name else None
+  return None
 
 
 def _compare(before_path: str, after_path: str) -> None:
@@ -92,13 +122,15 @@ def main(argv=None) -> None:
   p.add_argument("--tree", help="verify with the engine of this checkout")
   p.add_argument("--json", help="write {program: [proved, median seconds]} here")
   p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+  p.add_argument("--twin", action="append", default=[], metavar="OLD=NEW",
+                 help="also time each program's twin, named with OLD replaced by NEW")
   args = p.parse_args(argv)
   if args.compare:
     _compare(*args.compare)
     return
   if args.tree:
     _use_engine_of(args.tree)
-  out = _time(args.match, args.repeat)
+  out = _time(args.match, args.repeat, args.twin)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=1)
