@@ -455,19 +455,20 @@ _CONSTANT_FOLDABLE = {"constant", "broadcast_in_dim", "reshape", "convert", "com
                       "or", "not", "reduce"}
 
 
-def _constant_value(v: ir.Value, depth: int = 8):
+def _constant_value(v: ir.Value, depth: int = 8, foldable=_CONSTANT_FOLDABLE):
   """``v``'s value if it is computed from constants alone by a few shape,
-  compare and logic ops (jax's in-bounds checks of a constant index); else None."""
+  compare and logic ops (jax's in-bounds checks of a constant index), the ops
+  in ``foldable``; else None."""
   import numpy as np
   from graphguard_hlo import reference
   from graphguard_hlo.passes.collectives import reducer_kind
   op = v.producer
-  if op is None or op.name not in _CONSTANT_FOLDABLE or depth == 0 or len(op.results) != 1:
+  if op is None or op.name not in foldable or depth == 0 or len(op.results) != 1:
     return None
   if op.name == "constant":
     value = op.attrs.get("value")
     return value if isinstance(value, np.ndarray) else None
-  args = [_constant_value(x, depth - 1) for x in op.operands]
+  args = [_constant_value(x, depth - 1, foldable) for x in op.operands]
   if any(a is None for a in args):
     return None
   attrs = dict(op.attrs)
@@ -701,21 +702,12 @@ def _one_element_of_iota(module, graph, op) -> Optional[ir.Value]:
   return _emit(module, graph, op, "constant", [], {"value": _HashableArray(arr)})
 
 
-def _iota_value(v: ir.Value, depth: int = 4):
+_IOTA_CONE = {"iota", "broadcast_in_dim", "reshape", "convert"}
+
+
+def _iota_value(v: ir.Value):
   """``v``'s value if it is an iota, broadcast, reshaped or converted; else None."""
-  import numpy as np
-  from graphguard_hlo import reference
-  op = v.producer
-  if op is None or depth == 0 or op.name not in ("iota", "broadcast_in_dim", "reshape",
-                                                 "convert"):
-    return None
-  args = [_iota_value(x, depth - 1) for x in op.operands]
-  if any(a is None for a in args):
-    return None
-  try:
-    return np.asarray(reference.evaluate(op.name, op.attrs, args, op.results[0].type))
-  except (NotImplementedError, KeyError, ValueError, TypeError):
-    return None
+  return _constant_value(v, depth=4, foldable=_IOTA_CONE)
 
 
 def _permute_of_zeros(module, graph, op) -> Optional[ir.Value]:

@@ -34,6 +34,7 @@ import numpy as np
 from graphguard_hlo import ir
 from graphguard_hlo.passes.inline import clone_into
 from graphguard_hlo.passes.loop_copies import counter_of
+from graphguard_hlo.passes.loop_edits import replace_uses
 
 
 # A ring runs as many steps as it has ranks (or one less); a pipeline's
@@ -79,10 +80,8 @@ def _unroll_in(module: ir.Module, graph: ir.Graph, split_off: set) -> int:
     replace.update((r.id, v) for r, v in zip(op.results, carries))
     count += 1
   graph.ops = new_ops
-  graph.results = [replace.get(v.id, v) for v in graph.results]
   if replace:
-    for op in graph.walk():
-      op.operands = [replace.get(v.id, v) for v in op.operands]
+    replace_uses(graph, replace)  # (later ops in nested bodies read them too)
   return count
 
 
@@ -93,18 +92,10 @@ def _ring_trips(op: ir.Op) -> Optional[tuple[int, int]]:
   counter = counter_of(op)
   if counter is None:
     return None
-  body = op.regions[1]
-  ring_sizes = [_ring_size(res.producer) for res in body.results
-                if res.producer is not None and res.producer.name == "collective_permute"]
-  if not any(ring_sizes) or counter[1] > MAX_STEPS:
-    return None
-  return counter
-
-
-def _ring_size(permute: ir.Op) -> int:
-  """How many ranks a collective_permute's pairs visit."""
-  pairs = permute.attrs.get("source_target_pairs") or ()
-  return len({rank for pair in pairs for rank in pair})
+  sends_on = any(res.producer is not None and res.producer.name == "collective_permute"
+                 and res.producer.attrs.get("source_target_pairs")
+                 for res in op.regions[1].results)
+  return counter if sends_on and counter[1] <= MAX_STEPS else None
 
 
 def _unroll(module: ir.Module, loop: ir.Op, trips: tuple[int, int], into: ir.Graph
