@@ -50,6 +50,23 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 
+class ConstantArray(np.ndarray):
+  """A read-only array that hashes by content: a constant op's ``value`` (and
+  the array attrs loaders read), so that equal constants hash-cons to one class."""
+
+  def __new__(cls, arr):
+    view = np.asarray(arr).view(cls)
+    view.setflags(write=False)
+    return view
+
+  def __hash__(self):
+    return hash((self.shape, str(self.dtype), self.tobytes()))
+
+  def __eq__(self, other):  # type: ignore[override]
+    return (isinstance(other, np.ndarray) and self.shape == other.shape
+            and bool(np.array_equal(np.asarray(self), np.asarray(other))))
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorType:
   shape: tuple[int, ...]

@@ -56,6 +56,15 @@ def cast(x: np.ndarray, dtype: str) -> np.ndarray:
   return x.astype(target)
 
 
+
+def constant_array(value, dtype: str) -> ir.ConstantArray:
+  """What a new ``constant`` op of IR type ``dtype`` holds: ``value`` cast to it.
+  Formats numpy has no type for (the f8s) are kept in f32, as loaders keep them."""
+  try:
+    return ir.ConstantArray(cast(np.asarray(value), dtype))
+  except NotImplementedError:
+    return ir.ConstantArray(np.asarray(value, np.float32))
+
 # -- elementwise -------------------------------------------------------------------
 
 def _round_afz(x):

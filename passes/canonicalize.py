@@ -690,7 +690,6 @@ def _one_element_of_iota(module, graph, op) -> Optional[ir.Value]:
     return None
   import numpy as np
   from graphguard_hlo import reference
-  from graphguard_hlo.loaders.stablehlo import _HashableArray
   whole = _iota_value(op.operands[0])
   if whole is None:
     return None
@@ -698,8 +697,7 @@ def _one_element_of_iota(module, graph, op) -> Optional[ir.Value]:
     arr = np.asarray(reference.evaluate("slice", op.attrs, [whole], op.results[0].type))
   except (NotImplementedError, KeyError, ValueError, TypeError):
     return None
-  arr.setflags(write=False)
-  return _emit(module, graph, op, "constant", [], {"value": _HashableArray(arr)})
+  return _emit(module, graph, op, "constant", [], {"value": ir.ConstantArray(arr)})
 
 
 _IOTA_CONE = {"iota", "broadcast_in_dim", "reshape", "convert"}

@@ -38,9 +38,7 @@ import functools
 import math
 from typing import Optional, Sequence
 
-import numpy as np
-
-from graphguard_hlo import ir
+from graphguard_hlo import ir, reference
 from graphguard_hlo.passes import slabs
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import (broadcast_scalar, moves_with_one_axis,
@@ -222,9 +220,8 @@ class RankCases:
 
 
 def _constant(module, fresh, place, value: int, dtype: str, location) -> ir.Value:
-  np_type = {"ui32": np.uint32, "ui64": np.uint64, "i64": np.int64}.get(dtype, np.int32)
-  return place(fresh(module, "constant", [], {"value": np.array(value, np_type)}, (), dtype,
-                     location))
+  return place(fresh(module, "constant", [], {"value": reference.constant_array(value, dtype)},
+                     (), dtype, location))
 
 
 def rank_case_patterns(graph: ir.Graph, mesh: ir.Mesh,

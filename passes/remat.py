@@ -37,8 +37,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import numpy as np
-
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.canonicalize import _fresh
@@ -181,13 +179,8 @@ def _recipes(module: ir.Module, graph: ir.Graph, loop: ir.Op, counter: int, n: i
 # -- editing loops -------------------------------------------------------------
 
 def _constant(module: ir.Module, dtype: str, value, location) -> ir.Op:
-  from graphguard_hlo.loaders.stablehlo import _HashableArray
-  try:
-    arr = np.asarray(reference.cast(np.asarray(value), dtype))
-  except NotImplementedError:  # (formats numpy has no type for, kept in f32)
-    arr = np.asarray(value, np.float32)
-  arr.setflags(write=False)
-  return _fresh(module, "constant", [], {"value": _HashableArray(arr)}, (), dtype, location)
+  return _fresh(module, "constant", [], {"value": reference.constant_array(value, dtype)}, (),
+                dtype, location)
 
 
 def _view(module: ir.Module, loop: ir.Op, outer: ir.Value) -> ir.Value:

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
-
-from graphguard_hlo import ir
+from graphguard_hlo import ir, reference
 from graphguard_hlo.passes.inline import clone_into
 from graphguard_hlo.passes.loop_copies import counter_of
 from graphguard_hlo.passes.loop_edits import replace_uses
@@ -115,9 +113,6 @@ def _unroll(module: ir.Module, loop: ir.Op, trips: tuple[int, int], into: ir.Gra
 
 def _constant(module: ir.Module, graph: ir.Graph, value: int, type: ir.TensorType,
               location: ir.Location) -> ir.Value:
-  from graphguard_hlo.loaders.stablehlo import _HashableArray
-  from graphguard_hlo.reference import cast
-  arr = np.asarray(cast(np.asarray(value), type.dtype))
-  arr.setflags(write=False)
-  return module.add_op(graph, "constant", [], [type], {"value": _HashableArray(arr)}, [],
+  return module.add_op(graph, "constant", [], [type],
+                       {"value": reference.constant_array(value, type.dtype)}, [],
                        location).results[0]

@@ -25,7 +25,7 @@ import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.errors import InputError
-from graphguard_hlo.loaders.stablehlo import _canonicalize, _HashableArray
+from graphguard_hlo.loaders.stablehlo import _canonicalize
 
 # --------------------------------------------------------------------------- tokens
 
@@ -179,7 +179,7 @@ class _Shape:
     if self.is_tuple:
       return tuple(e.layout_attr() for e in self.elements)
     m2m = self.layout if self.layout is not None else tuple(range(len(self.dims) - 1, -1, -1))
-    return _frozen(np.array(m2m, dtype=np.int64))
+    return ir.ConstantArray(np.array(m2m, dtype=np.int64))
 
   def same_as(self, other: "_Shape") -> bool:
     if self.is_tuple or other.is_tuple:
@@ -650,12 +650,6 @@ _ML_DTYPES = {"bf16": "bfloat16", "f8e5m2": "float8_e5m2", "f8e4m3fn": "float8_e
               "f4e2m1fn": "float4_e2m1fn", "f8e8m0fnu": "float8_e8m0fnu"}
 
 
-def _frozen(arr: np.ndarray) -> _HashableArray:
-  arr = np.asarray(arr)
-  arr.setflags(write=False)
-  return _HashableArray(arr)
-
-
 class ElidedConstant:
   """The value of a constant the dump printed as ``{...}``.
 
@@ -777,7 +771,7 @@ def _parse_literal(p: _Parser, shape: _Shape, name: str) -> Any:
   return _constant_value(flat, shape)
 
 
-def _constant_value(flat: list[Any], shape: _Shape) -> _HashableArray:
+def _constant_value(flat: list[Any], shape: _Shape) -> ir.ConstantArray:
   """The array stablehlo.py would build from the same DenseElementsAttr."""
   hlo = shape.dtype
   store = _storage_dtype(hlo)
@@ -804,10 +798,10 @@ def _constant_value(flat: list[Any], shape: _Shape) -> _HashableArray:
       scalar = complex(first)
     else:
       scalar = float(arr.reshape(-1)[0])
-    return _frozen(np.full(shape.dims, scalar))
+    return ir.ConstantArray(np.full(shape.dims, scalar))
   if hlo in _NATIVE:
-    return _frozen(arr.astype(_NATIVE[hlo]))
-  return _frozen(arr.astype(np.float64))
+    return ir.ConstantArray(arr.astype(_NATIVE[hlo]))
+  return ir.ConstantArray(arr.astype(np.float64))
 
 
 # --------------------------------------------------------------------------- attributes
@@ -1969,7 +1963,7 @@ def _convert(im, g, ins, operands):
   zero = {"pred": False}.get(src.type.dtype, 0.0 if src.type.dtype.startswith(("f", "bf"))
                              else 0j if src.type.dtype.startswith("complex") else 0)
   value = np.broadcast_to(np.asarray(zero), src.shape)   # no copy: the shape may be huge
-  c = im.m.add_op(g, "constant", [], [src.type], {"value": _frozen(value)}, [], loc)
+  c = im.m.add_op(g, "constant", [], [src.type], {"value": ir.ConstantArray(value)}, [], loc)
   attrs = {"comparison_direction": "NE"}
   im.layout_attrs(ins, attrs)
   return im.emit(g, "compare", ins, [src, c.result], attrs, loc=loc).result
@@ -2176,7 +2170,7 @@ def _bitcast(im, g, ins, operands):
   attrs["result_layout"] = ins.shape.layout_attr()
   src = im.shape_of(operands[0])
   attrs["source_layout"] = (src.layout_attr() if src is not None else
-                            _frozen(np.arange(operands[0].type.rank - 1, -1, -1, dtype=np.int64)))
+                            ir.ConstantArray(np.arange(operands[0].type.rank - 1, -1, -1, dtype=np.int64)))
   return im.emit(g, "mhlo.bitcast", ins, operands, attrs).result
 
 
@@ -2221,7 +2215,7 @@ def _all_gather(im, g, ins, operands):
 def _all_to_all(im, g, ins, operands):
   groups = im.replica_groups(ins)
   if ins.shape.is_tuple or "dimensions" not in ins.attrs:
-    attrs: dict[str, Any] = {"replica_groups": _frozen(np.asarray(groups, dtype=np.int64))}
+    attrs: dict[str, Any] = {"replica_groups": ir.ConstantArray(np.asarray(groups, dtype=np.int64))}
     if "channel_id" in ins.attrs:
       attrs["channel_handle"] = (f"#mhlo.channel_handle<handle = "
                                  f"{im.attr_int(ins, 'channel_id')}, type = 0>")
@@ -2248,7 +2242,7 @@ def _collective_permute(im, g, ins, operands):
   if any(len(pr) != 2 for pr in pairs):
     raise im.err(f"%{ins.name}: source_target_pairs must be pairs", span.line if span else
                  ins.line)
-  attrs["source_target_pairs"] = _frozen(np.array(pairs, dtype=np.int64).reshape(-1, 2))
+  attrs["source_target_pairs"] = ir.ConstantArray(np.array(pairs, dtype=np.int64).reshape(-1, 2))
   if "channel_id" in ins.attrs:
     attrs["channel_handle"] = im.attr_int(ins, "channel_id")
   im.layout_attrs(ins, attrs)
@@ -2258,7 +2252,7 @@ def _collective_permute(im, g, ins, operands):
 @_handles("collective-broadcast")
 def _collective_broadcast(im, g, ins, operands):
   attrs = im.base_attrs(ins)
-  attrs["replica_groups"] = _frozen(np.asarray(im.replica_groups(ins), dtype=np.int64))
+  attrs["replica_groups"] = ir.ConstantArray(np.asarray(im.replica_groups(ins), dtype=np.int64))
   if "channel_id" in ins.attrs:
     attrs["channel_handle"] = im.attr_int(ins, "channel_id")
   im.layout_attrs(ins, attrs)
@@ -2303,11 +2297,11 @@ def _window(im: _Importer, ins: _Instr, rank: int) -> dict[str, list]:
   return out
 
 
-def _padding(pads: list) -> _HashableArray:
+def _padding(pads: list) -> ir.ConstantArray:
   arr = np.array(pads, dtype=np.int64).reshape(-1, 2)
   if arr.size and (arr == arr.reshape(-1)[0]).all():
-    return _frozen(np.full(arr.shape, int(arr.reshape(-1)[0])))
-  return _frozen(arr)
+    return ir.ConstantArray(np.full(arr.shape, int(arr.reshape(-1)[0])))
+  return ir.ConstantArray(arr)
 
 
 @_handles("reduce-window")

@@ -261,22 +261,7 @@ def _dense_value(attr) -> np.ndarray:
       arr = np.full(shape, vals[0]) if len(vals) == 1 else np.array(vals).reshape(shape)
     except (ValueError, IndexError):
       raise InputError(None, f"cannot read constant {str(attr)[:60]}") from None
-  arr.setflags(write=False)
-  return _HashableArray(arr)
-
-
-class _HashableArray(np.ndarray):
-  """A read-only array that hashes by content, so constants can be hash-consed."""
-
-  def __new__(cls, arr):
-    return np.asarray(arr).view(cls)
-
-  def __hash__(self):
-    return hash((self.shape, str(self.dtype), self.tobytes()))
-
-  def __eq__(self, other):  # type: ignore[override]
-    return (isinstance(other, np.ndarray) and self.shape == other.shape
-            and bool(np.array_equal(np.asarray(self), np.asarray(other))))
+  return ir.ConstantArray(arr)
 
 
 def _sdy_sharding(attr) -> ir.SdySharding:
