@@ -721,6 +721,65 @@ def _permute_of_zeros(module, graph, op) -> Optional[ir.Value]:
   return x
 
 
+def _reduction_of_zeros(module, graph, op) -> Optional[ir.Value]:
+  """all_reduce(0) -> 0 for a sum, max or min.  An unrolled loop's transpose
+  psums a cotangent that a step's constant mask has made zero."""
+  if op.name != "all_reduce" or len(op.operands) != 1 or not op.regions:
+    return None
+  from graphguard_hlo.passes.collectives import reducer_kind
+  from graphguard_hlo.passes.terms import splat_value
+  x = op.operands[0]
+  if (reducer_kind(op.regions[0]) not in ("sum", "max", "min") or splat_value(x) != 0.0
+      or x.type != op.results[0].type):
+    return None
+  return x
+
+
+_SCALAR_ARITHMETIC = {"constant", "add", "subtract", "multiply", "minimum", "maximum", "negate",
+                      "divide", "remainder", "compare", "and", "or", "not", "convert", "select"}
+
+
+def _scalar_of_constants(module, graph, op) -> Optional[ir.Value]:
+  """An integer or boolean scalar computed from constants -> that constant.
+  An unrolled loop's step count is a constant, and what the loop computed
+  from its counter (``t - (n - 1)``, ``t < M``, the reversed counter of a
+  transposed loop) becomes one too."""
+  if (op.name == "constant" or len(op.results) != 1 or op.results[0].type.rank != 0
+      or op.results[0].type.dtype not in _INTEGER_DTYPES):
+    return None
+  value = _constant_value(op.results[0], depth=2, foldable=_SCALAR_ARITHMETIC)
+  if value is None:
+    return None
+  from graphguard_hlo import reference
+  return _emit(module, graph, op, "constant", [],
+               {"value": reference.constant_array(value, op.results[0].type.dtype)})
+
+
+_INTEGER_DTYPES = {"i1", "pred", "i8", "i16", "i32", "i64", "ui8", "ui16", "ui32", "ui64"}
+
+
+def _logic_with_constant(module, graph, op) -> Optional[ir.Value]:
+  """and(p, true) -> p, and(p, false) -> false, or(p, false) -> p,
+  or(p, true) -> true, for booleans.  A step's mask ``(stage == 0) & (t < M)``
+  with t a constant is the stage test or nothing."""
+  if op.name not in ("and", "or") or len(op.operands) != 2:
+    return None
+  out = op.results[0].type
+  if out.dtype not in ("i1", "pred"):
+    return None
+  from graphguard_hlo.passes.terms import splat_value
+  absorbing = 0.0 if op.name == "and" else 1.0
+  for x, c in (op.operands, op.operands[::-1]):
+    value = splat_value(c)
+    if value is None or c.type != out:
+      continue
+    if value == absorbing:
+      return c
+    if x.type == out:
+      return x
+  return None
+
+
 def _reshape_of_broadcast_units(module, graph, op) -> Optional[ir.Value]:
   """reshape(broadcast_in_dim(y)) that only drops or adds unit dims -> one
   broadcast_in_dim(y), when y's dims all land on dims the reshape keeps.
@@ -763,7 +822,7 @@ RING_PATTERNS: tuple[Pattern, ...] = (
 # part a pipeline's matched softmax.
 UNROLLED_RING_PATTERNS: tuple[Pattern, ...] = (
     _dynamic_slice_at_constants, _one_element_of_iota, _reshape_of_broadcast_units,
-    _permute_of_zeros)
+    _permute_of_zeros, _scalar_of_constants, _logic_with_constant, _reduction_of_zeros)
 
 
 def _emit(module, graph, op, name, operands, attrs) -> ir.Value:

@@ -446,8 +446,19 @@ def _pin_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
+def held_at_different_ranks(inf, op: ir.Op) -> bool:
+  """Are two of ``op``'s operands the sequential values only at ranks that
+  never meet (``_pin_words``)?"""
+  return _pin_words(inf, op) is not None
+
+
 def _relations(inf, v: ir.Value) -> list:
-  """``v``'s relations, and its pieces' if the program cut it."""
+  """``v``'s relations, and its pieces' if the program cut it; for a
+  broadcast left for pieces to read (``inference.walk_ops``), its operand's."""
+  p = v.producer
+  if (v.id in inf.deferred and p is not None and p.name == "broadcast_in_dim"
+      and not inf.relations.get(v.id)):
+    return _relations(inf, p.operands[0])
   split = inf.pieces.splits.get(v.id)
   return [r for t in ((v,) + (split.terms if split else ())) for r in inf.relations.get(t.id, ())]
 

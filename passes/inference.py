@@ -257,7 +257,16 @@ class RelationInference:
       return [f"constant splat {self.splats[s.id]:g}"]
     return [f"{r.layout.describe(self.value_name(r.cls))} [{r.how}]"
             for r in self.relations.get(s.id, [])] + self.sums.describe(s) + \
-        self.pieces.describe(s)
+        self.pieces.describe(s) + self._describe_deferred_broadcast(s)
+
+  def _describe_deferred_broadcast(self, s: ir.Value) -> list[str]:
+    p = s.producer
+    if (s.id not in self.deferred or p is None or p.name != "broadcast_in_dim"
+        or self.relations.get(s.id)):
+      return []
+    return [f"a broadcast of %{p.operands[0].id}, left for pieces to read; "
+            f"%{p.operands[0].id} is " + (" or ".join(self.describe(p.operands[0])[:2])
+                                        or "unrelated")]
 
   def new_term(self, type: ir.TensorType) -> ir.Value:
     """A value of no program: a sequential tensor ``sums.py`` or ``pieces.py``
@@ -286,7 +295,7 @@ class RelationInference:
 
   def walk_ops(self) -> Optional[Failure]:
     """Relate every live op in order; the first op left without a relation fails."""
-    from graphguard_hlo.passes.diagnose import diagnose_op
+    from graphguard_hlo.passes.diagnose import diagnose_op, held_at_different_ranks
     live = _live_ops(self.seq)
     self.processed = 0
     for op in self.seq.ops:
@@ -302,6 +311,11 @@ class RelationInference:
                    and not self.whole_relations(r) and r.id not in self.deferred
                    and not self.pieces.has(r)]
       if unrelated and self.deferred_origin(op.operands) is not None:
+        if held_at_different_ranks(self, op):
+          # Two stages' values meet here (a broadcast deferred for pieces
+          # read with activations sent to the wrong stage): this op is the
+          # first one wrong, not where the broadcast began.
+          return _with_reason(diagnose_op(self, op), self.pieces.explain(op))
         return self.deferred_failure(op.operands)
       if unrelated and self.pieces.splits and op.name == "broadcast_in_dim" and (
           self.whole_relations(op.operands[0]) or op.operands[0].id in self.splats):

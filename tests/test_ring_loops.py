@@ -230,3 +230,110 @@ def test_a_permute_of_zeros_is_zeros(data):
   assert not any(op.name == "collective_permute" for op in b.g.walk())
   after = Interpreter(ranks).run(b.g, [x])[b.g.results[0].id]
   np.testing.assert_array_equal(np.stack(after), np.stack(before))
+
+
+_INT_OPS = ("add", "subtract", "multiply", "minimum", "maximum", "divide", "remainder")
+_COMPARISONS = ("LT", "LE", "EQ", "NE", "GE", "GT")
+
+
+def _scalar_expression(b, data, leaves, depth, leaf_ok=True):
+  """A random i32 scalar over ``leaves`` (constants, or a parameter among them)
+  by the ops a loop computes from its counter; divisors kept nonzero."""
+  if depth == 0 or (leaf_ok and data.draw(st.booleans())):
+    return data.draw(st.sampled_from(leaves))
+  kind = data.draw(st.sampled_from(("int", "select", "negate")))
+  x = _scalar_expression(b, data, leaves, depth - 1)
+  if kind == "negate":
+    return b.op("negate", [x], ir.TensorType((), "i32"))
+  y = _scalar_expression(b, data, leaves, depth - 1)
+  if kind == "select":
+    p = b.op("compare", [x, y], ir.TensorType((), "pred"),
+             comparison_direction=data.draw(st.sampled_from(_COMPARISONS)))
+    if data.draw(st.booleans()):
+      q = b.op("compare", [y, _i32(b, 2)], ir.TensorType((), "pred"), comparison_direction="GE")
+      p = b.op(data.draw(st.sampled_from(("and", "or"))), [p, q], ir.TensorType((), "pred"))
+    return b.op("select", [p, x, y], ir.TensorType((), "i32"))
+  name = data.draw(st.sampled_from(_INT_OPS))
+  if name in ("divide", "remainder"):
+    y = b.op("maximum", [y, _i32(b, 1)], ir.TensorType((), "i32"))
+  return b.op(name, [x, y], ir.TensorType((), "i32"))
+
+
+@SETTINGS
+@given(st.data())
+def test_integer_scalars_of_constants_are_constants(data):
+  """What an unrolled loop computes from its constant counter folds to one
+  constant; with a parameter among the leaves, what depends on it stays."""
+  with_param = data.draw(st.booleans())
+  b = Builder([ir.TensorType((), "i32")])
+  leaves = [_i32(b, data.draw(st.integers(-9, 9))) for _ in range(3)]
+  if with_param:
+    leaves.append(b.g.params[0])
+  b.g.results = [_scalar_expression(b, data, leaves, depth=4, leaf_ok=False)]
+  x = [np.array(data.draw(st.integers(-9, 9)), np.int32)]
+  before = b.run(x)[0]
+  canonicalize_graph(b.m, b.g, rings=True, extra=UNROLLED_RING_PATTERNS)
+  if not with_param:
+    assert b.g.results[0].producer.name == "constant"
+  np.testing.assert_array_equal(b.run(x)[0], before)
+
+
+@pytest.mark.parametrize("name", _INT_OPS + ("negate",) + _COMPARISONS)
+def test_each_integer_op_of_constants_folds(name):
+  b = Builder([])
+  x, y = _i32(b, -7), _i32(b, 3)
+  if name == "negate":
+    out = b.op(name, [x], ir.TensorType((), "i32"))
+  elif name in _COMPARISONS:
+    out = b.op("compare", [x, y], ir.TensorType((), "pred"), comparison_direction=name)
+  else:
+    out = b.op(name, [x, y], ir.TensorType((), "i32"))
+  b.g.results = [out]
+  before = b.run([])[0]
+  canonicalize_graph(b.m, b.g, rings=True, extra=UNROLLED_RING_PATTERNS)
+  assert b.g.results[0].producer.name == "constant"
+  np.testing.assert_array_equal(b.run([])[0], before)
+
+
+@SETTINGS
+@given(st.data())
+def test_logic_with_a_constant_is_an_operand(data):
+  """and(p, true) is p and and(p, false) false; or the other way round."""
+  shape = data.draw(st.lists(st.integers(1, 3), max_size=2))
+  name = data.draw(st.sampled_from(("and", "or")))
+  value = data.draw(st.booleans())
+  b = Builder([ir.TensorType(tuple(shape), "pred")])
+  c = b.op("constant", [], ir.TensorType((), "pred"), value=np.array(value))
+  splat = b.op("broadcast_in_dim", [c], ir.TensorType(tuple(shape), "pred"),
+               broadcast_dimensions=())
+  operands = [b.g.params[0], splat][::data.draw(st.sampled_from((1, -1)))]
+  b.g.results = [b.op(name, operands, ir.TensorType(tuple(shape), "pred"))]
+  p = [np.random.default_rng(len(shape)).random(shape) < 0.5]
+  before = b.run(p)[0]
+  canonicalize_graph(b.m, b.g, rings=True, extra=UNROLLED_RING_PATTERNS)
+  assert not any(op.name == name for op in b.g.walk())
+  np.testing.assert_array_equal(b.run(p)[0], before)
+
+
+@SETTINGS
+@given(st.sampled_from(("sum", "max", "min")), st.sampled_from((((0, 1, 2, 3),),
+                                                                 ((0, 2), (1, 3)))),
+       st.sampled_from((0.0, 1.5)))
+def test_a_reduction_of_zeros_over_ranks_is_zeros(kind, groups, value):
+  """... and a sum of another splat stays: it is |group| times the splat."""
+  ranks = 4
+  b = Builder([_t(3)])
+  region = ir.Graph(kind)
+  u, v = b.m.new_value(_t(), name="u"), b.m.new_value(_t(), name="v")
+  region.params = [u, v]
+  region.results = [b.m.add_op(region, {"sum": "add", "max": "maximum", "min": "minimum"}[kind],
+                               [u, v], [_t()]).result]
+  reduced = b.m.add_op(b.g, "all_reduce", [b.splat(value, (3,))], [_t(3)],
+                       {"replica_groups": groups}, [region]).result
+  b.g.results = [b.op("add", [b.g.params[0], reduced], _t(3))]
+  x = [np.random.default_rng(k).standard_normal(3) for k in range(ranks)]
+  before = Interpreter(ranks).run(b.g, [x])[b.g.results[0].id]
+  canonicalize_graph(b.m, b.g, rings=True, extra=UNROLLED_RING_PATTERNS)
+  assert any(op.name == "all_reduce" for op in b.g.walk()) == (value != 0.0)
+  after = Interpreter(ranks).run(b.g, [x])[b.g.results[0].id]
+  np.testing.assert_array_equal(np.stack(after), np.stack(before))

@@ -80,6 +80,12 @@ _DIAGNOSES: dict[str, str] = {
         "sends [(0, 1), (1, 2), (2, 3), (3, 0)] over 'pp' (activations or their cotangents",
     "llama3/pp_gpipe_buffered/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
     "llama3/pp_gpipe_fori/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
+    "gpt2/pp_gpipe_buffered/shard_map/wrong_permutation":
+        "is the sequential value only at pp=3 and",
+    "llama3/pp_gpipe_fori/shard_map/wrong_permutation":
+        "is the sequential value only at pp=3 and",
+    "gpt2/pp_gpipe_fori_grad/shard_map/double_counted_grad": "4 times the sequential one",
+    "llama3/pp_gpipe_fori_grad/shard_map/double_counted_grad": "4 times its share",
     "gpt2/pp_interleaved_1f1b_grad/shard_map/depth_first":
         "on pieces 2, 3 of the 4 its operand is cut into along dim 0, but never on pieces 0, 1",
     "gpt2/pp_interleaved_1f1b_indexed_grad/shard_map/backward_chunk_not_reversed":

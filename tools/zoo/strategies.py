@@ -558,13 +558,14 @@ def _gpipe_stages(axis, microbatches, shift=1, inject_late=0, buffered=False, mi
   return run
 
 
-def _gpipe_fori_stages(axis, microbatches, misplaced=0):
+def _gpipe_fori_stages(axis, microbatches, misplaced=0, shift=1):
   """GPipe's buffered schedule with its M + n - 1 steps under
   ``lax.fori_loop``, as JAX's pipelining examples write it: at step t stage 0
   takes microbatch t while t < M, every stage runs its layers and passes its
   output on, and the last stage writes microbatch t - (n - 1) once t >= n - 1.
   ``misplaced``: the seeded bug, microbatch m's output written at row
-  m + misplaced (mod the count)."""
+  m + misplaced (mod the count); ``shift=-1``, the seeded bug: every stage's
+  output sent to the stage before it."""
   def run(h, stacked, layer):
     n = lax.axis_size(axis)
     stage = lax.axis_index(axis)
@@ -580,7 +581,7 @@ def _gpipe_fori_stages(axis, microbatches, misplaced=0):
       row = (jnp.maximum(done, 0) + misplaced) % microbatches
       written = lax.dynamic_update_index_in_dim(outputs, state, row, 0)
       outputs = jnp.where(done >= 0, written, outputs)
-      return lax.ppermute(state, axis, _ring_perm(n)), outputs
+      return lax.ppermute(state, axis, _ring_perm(n, shift)), outputs
 
     carry = _varying_like(next(iter(stacked.values())),
                           (jnp.zeros_like(batches[0]), jnp.zeros_like(batches)))
@@ -694,10 +695,12 @@ GPIPE_BUFFERED = dataclasses.replace(
     GPIPE, name="pp_gpipe_buffered",
     par=lambda: Parallel(run_stack=_gpipe_stages("pp", 4, buffered=True)))
 
-# GPipe with Megatron TP inside each stage: 2 stages x 4 tp ranks, 4 microbatches.
+# GPipe's buffered schedule under lax.fori_loop.
 GPIPE_FORI = dataclasses.replace(
     GPIPE, name="pp_gpipe_fori",
     par=lambda: Parallel(run_stack=_gpipe_fori_stages("pp", 4)))
+
+# GPipe with Megatron TP inside each stage: 2 stages x 4 tp ranks, 4 microbatches.
 PP_TP_GPIPE = _Strategy("pp_tp_gpipe", (2, 4), ("pp", "tp"), P(), _tp_param_spec,
                         lambda: dataclasses.replace(_tp_par(), run_stack=_gpipe_stages("pp", 4)),
                         (("stacked_params", True), ("layers", 4), ("batch", 4)),
@@ -1557,7 +1560,8 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # microbatches, the outputs set into a buffer row by row (slabs.py); the
   # bug writes microbatch m's output at row m + 1, reported at the first op
   # reading the pipeline's output with the order the rows were put in.
-  for model, first_op in (("gpt2", "reduce"), ("llama3", "multiply")):
+  for (model, first_op), doubled_at in zip((("gpt2", "reduce"), ("llama3", "multiply")),
+                                           ("add", "output")):
     built.append(_shard_map_case(model, GPIPE_BUFFERED, cfg, "ok", GPIPE_BUFFERED.par()))
     if grad:
       built.append(_shard_map_grad_case(model, GPIPE_BUFFERED, cfg))
@@ -1566,12 +1570,29 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
         Parallel(run_stack=_gpipe_stages("pp", 4, buffered=True, misplaced=1)),
         "output_misplaced", first_op))
     # The same schedule's M + S - 1 = 7 steps under lax.fori_loop (unrolled,
-    # ring_loops.py), forward only: its training step is not proved yet.
+    # ring_loops.py).  Its backward reads each step's mask (stage == 0) &
+    # (t < M) at the transposed loop's counter, constants once unrolled.
     built.append(_shard_map_case(model, GPIPE_FORI, cfg, "ok", GPIPE_FORI.par()))
     built.append(_shard_map_case(
         model, GPIPE_FORI, cfg, "output_misplaced",
         Parallel(run_stack=_gpipe_fori_stages("pp", 4, misplaced=1)),
         "output_misplaced", first_op))
+    if grad:
+      built.append(_shard_map_grad_case(model, GPIPE_FORI, cfg))
+      built.append(_shard_map_grad_case(model, GPIPE_FORI, cfg, "double_counted_grad",
+                                        check_vma=False, bug="double_counted_grad",
+                                        bug_primitive=doubled_at))
+  # Every stage's output sent to the stage before it, both ways of writing
+  # the schedule: reported where stage 0's output, held at stage 3, meets
+  # stage 1's norm weight, held at stage 1.
+  built.append(_shard_map_case(
+      "gpt2", GPIPE_BUFFERED, cfg, "wrong_permutation",
+      Parallel(run_stack=_gpipe_stages("pp", 4, shift=-1, buffered=True)),
+      "wrong_permutation", "multiply"))
+  built.append(_shard_map_case(
+      "llama3", GPIPE_FORI, cfg, "wrong_permutation",
+      Parallel(run_stack=_gpipe_fori_stages("pp", 4, shift=-1)), "wrong_permutation",
+      "multiply"))
   # 1F1B: each microbatch's backward as soon as its loss is known, written by
   # hand with a vjp per stage and step (one_f_one_b.py).  Bugs: a stage
   # recomputing from the input it saved one step late (the backward of the
