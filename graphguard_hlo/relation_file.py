@@ -29,7 +29,9 @@ _ITEM = re.compile(r"(dim(\d+)|partial)=([A-Za-z_][\w]*(?:,[A-Za-z_][\w]*)*)$")
 def parse_relation_file(path: str, text: str, ranks: list[int], axes: list[str]
                         ) -> dict[int, Layout]:
   out: dict[int, Layout] = {}
-  for lineno, raw in enumerate(text.splitlines(), 1):
+  # Lines end at "\n" (a "\r" before it is dropped by the strip below), as
+  # editors number them; str.splitlines would also break at a lone "\r".
+  for lineno, raw in enumerate(text.split("\n"), 1):
     line = raw.split("#", 1)[0]
     if not line.strip():
       continue
