@@ -11,6 +11,7 @@ from graphguard_hlo.passes.canonicalize import (UNROLLED_RING_PATTERNS, canonica
                                                 canonicalize_module)
 from graphguard_hlo.passes.transfer import ring_axes
 from graphguard_hlo.passes.inline import inline_calls
+from graphguard_hlo.passes.loop_split import split_layer_loops, trip_counts
 from graphguard_hlo.passes.rank_cases import rank_case_patterns
 from graphguard_hlo.passes.ring_loops import unroll_ring_loops
 from graphguard_hlo.passes.inference import Result, verify_programs
@@ -52,9 +53,14 @@ def prepare_seq(seq: ir.Module, program: Optional[DistProgram] = None) -> ir.Mod
   """``program``: the per-device program it is checked against, prepared
   first (its rings ask for the ring forms here too)."""
   inline_calls(seq)
-  canonicalize_module(seq, rings=bool(program is not None and program.rings),
-                      extra=UNROLLED_RING_PATTERNS if program is not None
-                      and program.unrolled_ring_loops else ())
+  rings = bool(program is not None and program.rings)
+  extra = UNROLLED_RING_PATTERNS if program is not None and program.unrolled_ring_loops else ()
+  canonicalize_module(seq, rings=rings, extra=extra)
+  # A pipeline's stages scan their own rows of the layers: the sequential
+  # scan over all of them, split into loops of that many steps (once in the
+  # loops' normal form, saving the same rows as the per-device ones).
+  if program is not None and split_layer_loops(seq, trip_counts(program.graph)):
+    canonicalize_module(seq, rings=rings, extra=extra)
   return seq
 
 

@@ -66,7 +66,7 @@ def used_ids(ops: list[ir.Op], results: list[ir.Value]) -> set[int]:
   return used
 
 
-def _cone(g: ir.Graph, roots: list[ir.Value]) -> set[int]:
+def cone(g: ir.Graph, roots: list[ir.Value]) -> set[int]:
   """Ids of the values ``roots`` are computed from within ``g`` (nested bodies' captures too)."""
   producers = {r.id: op for op in g.ops for r in op.results}
   out, todo = set(), [v.id for v in roots]
@@ -90,12 +90,12 @@ def drop_dead_carries(loop: ir.Op, used_outside: set[int]) -> int:
   many.  The ops only they read go with canonicalize's dead-op sweep."""
   cond, body = loop.regions
   live = {j for j, r in enumerate(loop.results) if r.id in used_outside}
-  cond_cone = _cone(cond, cond.results)
+  cond_cone = cone(cond, cond.results)
   live |= {j for j, p in enumerate(cond.params) if p.id in cond_cone}
   effects = [v for op in body.ops if op.name in EFFECTS for v in op.operands]
   while True:
-    cone = _cone(body, [body.results[j] for j in live] + effects)
-    grown = live | {j for j, p in enumerate(body.params) if p.id in cone}
+    reached = cone(body, [body.results[j] for j in live] + effects)
+    grown = live | {j for j, p in enumerate(body.params) if p.id in reached}
     if grown == live:
       break
     live = grown

@@ -93,7 +93,31 @@ def _candidate_matches(inf, op: ir.Op, loop: ir.Op) -> list[CarryMatch] | int:
     if not options:
       return k
     matches.extend(dict.fromkeys(options))
-  return matches
+  zeros = {k for k, s in enumerate(op.operands) if inf.splats.get(s.id) == 0.0}
+  return matches + _pinned_weakenings(matches, zeros)
+
+
+def _pinned_weakenings(matches: list[CarryMatch], zeros: set[int]) -> list[CarryMatch]:
+  """Each unpinned candidate also pinned at the coordinates other candidates
+  are pinned at.  A pipeline stage's loop runs its rows of the layers, pinned
+  to that stage, on activations every rank starts with: after one iteration
+  they are the sequential ones at that stage only.  Sound: a relation that
+  holds at every rank holds at some.  A carry starting as zeros on every rank
+  (``zeros``, by sequential index) is also zero elsewhere: a stage's
+  gradients, where the other stages' cotangents are zeros."""
+  pins = {pin for m in matches for pin in m.layout.at}
+  out = []
+  for m in matches:
+    if m.layout.at:
+      continue
+    for axis, coord in sorted(pins):
+      if axis in m.layout.used_axes():
+        continue
+      for zero_elsewhere in ((False, True) if m.seq_index in zeros else (False,)):
+        weaker = m.layout.with_(at=((axis, coord),), zero_elsewhere=zero_elsewhere)
+        if weaker.is_valid():
+          out.append(CarryMatch(m.seq_index, m.dist_index, weaker))
+  return list(dict.fromkeys(out))
 
 
 def _inductive_invariant(inf, op: ir.Op, loop: ir.Op, hypotheses: list[CarryMatch]):

@@ -44,8 +44,52 @@ def _slot_choices(inf, op: ir.Op, axis: str, n: int, m: int, i: int) -> set:
              if dict(r.layout.at).get(axis) == s and r.layout.is_plain()}
     common = found if common is None else common & found
     if not common:
-      return set()
+      return _summed_over_stages(inf, op, axis, n, m, i)
   return common
+
+
+def _summed_over_stages(inf, op: ir.Op, axis: str, n: int, m: int, i: int) -> set:
+  """Slot i held by a different per-device value at each stage, zero at the
+  others (``x_{s*m+i} ~ at[axis=s; 0 elsewhere](L of w_s)``), that the
+  program adds up: ``D = w_0 + .. + w_{n-1}`` is ``w_s`` at stage s, so
+  ``x_{s*m+i} ~ at[axis=s](L of D)``.  A pipeline whose stages scan their
+  layers computes each stage's gradients in the loop of its round."""
+  by_layout: dict[Layout, list[int]] = {}
+  for s in range(n):
+    for r in inf.whole_relations(op.operands[s * m + i]):
+      if (r.layout.zero_elsewhere and r.layout.at == ((axis, s),) and r.layout.is_plain()
+          and len(by_layout.setdefault(_unpinned(r.layout, axis), [])) == s):
+        by_layout[_unpinned(r.layout, axis)].append(r.cls)
+  out = set()
+  for layout, parts in by_layout.items():
+    if len(parts) == n and len(set(parts)) == n:
+      total = _sum_of(inf, parts)
+      if total is not None:
+        out.add((total, layout))
+  return out
+
+
+def _sum_of(inf, classes: list[int]) -> Optional[int]:
+  """The class of a per-device value adding exactly ``classes`` (each once),
+  by a tree of ``add`` ops, if the program computes one."""
+  sums = {c: frozenset({c}) for c in classes}   # class -> the parts it adds
+  want = frozenset(classes)
+  frontier = list(classes)
+  while frontier:
+    cls = frontier.pop()
+    for user in inf.users.get(cls, ()):
+      if user.name != "add" or len(user.operands) != 2:
+        continue
+      a, b = (sums.get(inf.deg.of(v)) for v in user.operands)
+      if a is None or b is None or a & b:
+        continue
+      result = inf.deg.of(user.results[0])
+      if result not in sums:
+        sums[result] = a | b
+        if a | b == want:
+          return result
+        frontier.append(result)
+  return None
 
 
 def stage_joins(inf, op: ir.Op) -> Iterator[tuple[int, Layout]]:

@@ -60,8 +60,9 @@ class Config:
   # Layers stacked ([layers, ...] parameters named ``layers.<base>``) and run
   # under ``lax.scan`` (a while loop in the modules) instead of unrolled.
   scan_layers: bool = False
-  # Layers stacked as above but unrolled, each reading its row of the stacks
-  # (``Parallel.run_stack``: a pipeline runs its stage's rows).
+  # Layers stacked as above, each reading its row of the stacks, run by
+  # ``Parallel.run_stack`` (a pipeline runs its stage's rows); unrolled, or
+  # with ``scan_layers`` under ``lax.scan`` (``scan_stack``).
   stacked_params: bool = False
   # > 1 (with ``stacked_params``): the stacks are held as ``[virtual_stages,
   # layers // virtual_stages, ...]`` and run chunk after chunk, row after row:
@@ -90,7 +91,6 @@ class Config:
     assert self.d_model % self.heads == 0, self
     assert self.heads % self.kv_heads == 0, self
     assert self.head_dim % 2 == 0, self
-    assert not (self.scan_layers and self.stacked_params), self
     assert self.virtual_stages == 1 or (self.stacked_params
                                         and self.layers % self.virtual_stages == 0), self
 
@@ -267,12 +267,17 @@ def run_stack_in_order(h, stacked: dict, layer: Callable):
   return h
 
 
+def scan_stack(h, stacked: dict, layer: Callable):
+  """h after one layer per row of the stacks, under ``lax.scan``."""
+  return lax.scan(lambda h, ws: (layer(h, lambda n: ws[n]), None), h, stacked)[0]
+
+
 def _run_layers(h, p: dict, cfg: Config, layer: Callable, par: Parallel):
   """h after every layer; ``layer(h, w)`` reads its weights as ``w(base)``."""
   stacked = {base_name(k): v for k, v in p.items() if is_stacked(k)}
   gathering = lambda read: (lambda n: par.layer_weight(n, read(n)))
   if cfg.stacked_params:
-    run = par.run_stack or run_stack_in_order
+    run = par.run_stack or (scan_stack if cfg.scan_layers else run_stack_in_order)
     chunks = ([stacked] if cfg.virtual_stages == 1 else
               [{n: w[c] for n, w in stacked.items()} for c in range(cfg.virtual_stages)])
     for chunk in chunks:

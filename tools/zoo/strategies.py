@@ -82,7 +82,7 @@ from tools.zoo import one_f_one_b, training, zero
 from tools.zoo.cases import Case, mesh_of
 from tools.zoo.models import (MODELS, SEQUENTIAL, Config, Parallel, arg_shapes, base_name,
                               is_stacked, loss_fn, param_specs, repeat_kv, run_stack_in_order,
-                              slots_per_group)
+                              scan_stack, slots_per_group)
 
 
 # --------------------------------------------------------------------------
@@ -496,24 +496,33 @@ def _ep_par(dispatch=_to_expert_owners, **hooks):
                      "from_experts": _to_token_owners("ep"), **hooks})
 
 
-def _pipeline_stages(axis, shift=1, fori=False):
+def _scan_stage(h, stacked, layer):
+  """A stage's layers under ``lax.scan`` over its rows of the stacks, the
+  activations typed as varying like the stage's weights."""
+  return scan_stack(_varying_like(next(iter(stacked.values())), (h,))[0], stacked, layer)
+
+
+def _pipeline_stages(axis, shift=1, fori=False, scan=False):
   """Pipeline parallelism on ``axis`` (no microbatches): stage s holds rows
   s*m .. s*m+m-1 of the layer stacks.  Every stage runs its layers on what it
   holds, then passes the result to stage s + ``shift``; after |axis| rounds
   the last stage holds the output, which a masked psum hands to everyone.
   ``shift=-1`` is the seeded bug: activations flow to the previous stage.
   ``fori``: the rounds under ``lax.fori_loop``, each one passing its result
-  on, so the output comes round to stage 0."""
+  on, so the output comes round to stage 0.  ``scan``: each stage's layers
+  under ``lax.scan`` over its rows (the sequential model scans all of them)."""
+  run_layers = _scan_stage if scan else run_stack_in_order
+
   def run(h, stacked, layer):
     n = lax.axis_size(axis)
     stage = lax.axis_index(axis)
     if fori:
       h = lax.fori_loop(0, n, lambda t, h: lax.ppermute(
-          run_stack_in_order(h, stacked, layer), axis, _ring_perm(n, shift)),
+          run_layers(h, stacked, layer), axis, _ring_perm(n, shift)),
           _varying_like(next(iter(stacked.values())), (h,))[0])
       return lax.psum(jnp.where(stage == 0, h, 0.0), axis)
     for t in range(n):
-      h = run_stack_in_order(h, stacked, layer)
+      h = run_layers(h, stacked, layer)
       if t < n - 1:
         h = lax.ppermute(h, axis, _ring_perm(n, shift))
     return lax.psum(jnp.where(stage == n - 1, h, 0.0), axis)
@@ -590,8 +599,8 @@ def _gpipe_fori_stages(axis, microbatches, misplaced=0, shift=1):
   return run
 
 
-def _pp_par(shift=1, fori=False):
-  return Parallel(run_stack=_pipeline_stages("pp", shift, fori))
+def _pp_par(shift=1, fori=False, scan=False):
+  return Parallel(run_stack=_pipeline_stages("pp", shift, fori, scan))
 
 
 # --------------------------------------------------------------------------
@@ -719,6 +728,10 @@ def _pp_tp_par(reduce_attn=_psum):
 
 
 PP_FORI = dataclasses.replace(PP, name="pp_fori", par=functools.partial(_pp_par, fori=True))
+# ... each stage scanning its layers, the sequential model all of them.
+PP_SCAN = dataclasses.replace(PP, name="pp_scan",
+                              cfg_overrides=PP.cfg_overrides + (("scan_layers", True),),
+                              par=functools.partial(_pp_par, scan=True))
 PP_TP = _Strategy("pp_tp", (2, 4), ("pp", "tp"), P(), _tp_param_spec, _pp_tp_par,
                   (("stacked_params", True), ("layers", 4)), layer_axis="pp")
 
@@ -1513,14 +1526,26 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                "wrong_permutation", "multiply"))
   built.append(_shard_map_case("llama3", PP, cfg, "wrong_permutation", _pp_par(shift=-1),
                                "wrong_permutation", "multiply"))
-  # The rounds under lax.fori_loop (unrolled, ring_loops.py), forward and
-  # trained, and activations flowing to the previous stage.
-  for model in MODELS:
-    built.append(_shard_map_case(model, PP_FORI, cfg, "ok", PP_FORI.par()))
-    if grad:
-      built.append(_shard_map_grad_case(model, PP_FORI, cfg))
+  # The rounds under lax.fori_loop (unrolled, ring_loops.py); and each stage
+  # scanning its layers, the sequential model all 8 under one scan
+  # (loop_split.py cuts it into the stages' loops, each proved by induction).
+  for strategy in (PP_FORI, PP_SCAN):
+    for model in MODELS:
+      built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
+      if grad:
+        built.append(_shard_map_grad_case(model, strategy, cfg))
+  # Bugs: activations flowing to the previous stage (met inside stage 1's
+  # loop when it scans); trained with the checker off, the scanned stages'
+  # cotangent 4 times too large where the backward loop writes a weight's
+  # gradient row.
   built.append(_shard_map_case("llama3", PP_FORI, cfg, "wrong_permutation",
                                _pp_par(shift=-1, fori=True), "wrong_permutation", "multiply"))
+  built.append(_shard_map_case("gpt2", PP_SCAN, cfg, "wrong_permutation",
+                               _pp_par(shift=-1, scan=True), "wrong_permutation", "multiply"))
+  if grad:
+    built.append(_shard_map_grad_case("llama3", PP_SCAN, cfg, "double_counted_grad",
+                                      check_vma=False, bug="double_counted_grad",
+                                      bug_primitive="dynamic_update_slice"))
   # Forward+backward through the stages: the masked psum transposes to the
   # cotangent at the last stage and zeros elsewhere, each stage's gradient is
   # padded into its rows of the stacks; and one SGD step on top.
