@@ -61,6 +61,8 @@ _DIAGNOSES: dict[str, str] = {
         "activations or their cotangents passed to the wrong stage?",
     "gpt2/pp_scan/shard_map/wrong_permutation":
         "only at pp=1: no rank holds both",
+    "llama3/pp_tp_scan/shard_map/wrong_replica_groups":
+        "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
     "llama3/pp_scan_grad/shard_map/double_counted_grad":
         "the distributed value is 4 times the sequential one (summed over 4 = |pp| ranks",
     "gpt2/pp_grad/shard_map/double_counted_grad": "4 times the sequential one",

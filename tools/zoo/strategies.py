@@ -716,22 +716,20 @@ PP_TP_GPIPE = _Strategy("pp_tp_gpipe", (2, 4), ("pp", "tp"), P(), _tp_param_spec
                         layer_axis="pp")
 
 
-def _staged(par: Parallel) -> Parallel:
-  """``par``'s hooks inside each stage of a pipeline over "pp"."""
-  return dataclasses.replace(par, run_stack=_pipeline_stages("pp"))
+def _staged(par: Parallel, scan: bool = False) -> Parallel:
+  """``par``'s hooks inside each stage of a pipeline over "pp" (``scan``: each
+  stage's layers under ``lax.scan``)."""
+  return dataclasses.replace(par, run_stack=_pipeline_stages("pp", scan=scan))
 
 
 # Pipeline stages with Megatron TP inside each: 2 stages x 4 tp ranks, the
 # stacked weights split over "pp" by layer and over "tp" like TP's.
-def _pp_tp_par(reduce_attn=_psum):
-  return _staged(_tp_par(reduce_attn))
+def _pp_tp_par(reduce_attn=_psum, scan=False):
+  return _staged(_tp_par(reduce_attn), scan)
 
 
 PP_FORI = dataclasses.replace(PP, name="pp_fori", par=functools.partial(_pp_par, fori=True))
-# ... each stage scanning its layers, the sequential model all of them.
-PP_SCAN = dataclasses.replace(PP, name="pp_scan",
-                              cfg_overrides=PP.cfg_overrides + (("scan_layers", True),),
-                              par=functools.partial(_pp_par, scan=True))
+
 PP_TP = _Strategy("pp_tp", (2, 4), ("pp", "tp"), P(), _tp_param_spec, _pp_tp_par,
                   (("stacked_params", True), ("layers", 4)), layer_axis="pp")
 
@@ -739,6 +737,18 @@ PP_TP = _Strategy("pp_tp", (2, 4), ("pp", "tp"), P(), _tp_param_spec, _pp_tp_par
 DP_PP_TP = _Strategy("dp_pp_tp", (2, 2, 2), ("dp", "pp", "tp"), P("dp", None), _tp_param_spec,
                      lambda: _staged(_dp_tp_par()), (("stacked_params", True), ("layers", 4)),
                      layer_axis="pp")
+
+
+def _stages_scanned(strategy: _Strategy, par: Callable[[], Parallel]) -> _Strategy:
+  """``strategy`` with each stage scanning its layers (hooks ``par``), the
+  sequential model all of them."""
+  return dataclasses.replace(strategy, name=f"{strategy.name}_scan", par=par,
+                             cfg_overrides=strategy.cfg_overrides + (("scan_layers", True),))
+
+
+PP_SCAN = _stages_scanned(PP, functools.partial(_pp_par, scan=True))
+PP_TP_SCAN = _stages_scanned(PP_TP, functools.partial(_pp_tp_par, scan=True))
+DP_PP_TP_SCAN = _stages_scanned(DP_PP_TP, lambda: _staged(_dp_tp_par(), scan=True))
 
 # dp x tp with the vocabulary split over "tp" (its programs look tokens up by jnp.take).
 DP_TP_VOCAB = _Strategy("dp_tp_vocab", (2, 4), ("dp", "tp"), P("dp", None),
@@ -1706,6 +1716,17 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # other stage's, so the residual add after it reads nothing related.
   built.append(_shard_map_case("gpt2", PP_TP, cfg, "wrong_replica_groups",
                                _pp_tp_par(lambda axis: _psum(("pp", axis))),
+                               "wrong_replica_groups", "add"))
+  # ... each stage scanning its layers (loop_split.py): forward and trained
+  # on 2 x 4, forward on 2x2x2 (its training step is not proved), and the
+  # wrong replica groups met inside stage 0's loop.
+  for model in MODELS:
+    built.append(_shard_map_case(model, PP_TP_SCAN, cfg, "ok", PP_TP_SCAN.par()))
+    built.append(_shard_map_case(model, DP_PP_TP_SCAN, cfg, "ok", DP_PP_TP_SCAN.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, PP_TP_SCAN, cfg))
+  built.append(_shard_map_case("llama3", PP_TP_SCAN, cfg, "wrong_replica_groups",
+                               _pp_tp_par(lambda axis: _psum(("pp", axis)), scan=True),
                                "wrong_replica_groups", "add"))
   # Keys and values round a ring, and the ring turning the wrong way: blocks
   # land at other blocks' places; the first op reading the gathered keys is
