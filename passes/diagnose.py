@@ -431,10 +431,11 @@ def _pin_words(inf, op: ir.Op) -> Optional[str]:
     for (v1, c1), (v2, c2) in zip(found, found[1:]):
       if c1 & c2:
         continue
-      permutes = [d for d in inf.dist.graph.walk() if d.name == "collective_permute"
+      permutes = [d for d in inf.whole_dist.graph.walk() if d.name == "collective_permute"
                   and d.attrs.get("gg.axes") == (axis,)]
       # The permute that sent an operand's value, if one did; else the first.
-      permute = next((d for d in permutes if inf.deg.of(d.results[0]) in classes),
+      permute = next((d for d in permutes if inf.deg.holds(d.results[0])
+                      and inf.deg.of(d.results[0]) in classes),
                      permutes[0] if permutes else None)
       hint = "" if permute is None else (
           f"; collective-permute at {permute.location} sends "

@@ -168,6 +168,10 @@ class DistEGraph:
   def find(self, c: ClassId) -> ClassId:
     return self.eg.find(c)
 
+  def holds(self, v: ir.Value) -> bool:
+    """Is ``v`` a value of this e-graph's program (not of an enclosing one)?"""
+    return v.id in self.class_of
+
   def of(self, v: ir.Value) -> ClassId:
     return self.eg.find(self.class_of[v.id])
 

@@ -156,6 +156,9 @@ class RelationInference:
     self.seq_module = seq
     self.seq = seq_graph or seq.main
     self.dist = dist
+    # The whole per-device program: ``dist`` is a loop's body when this
+    # relates two loop bodies (loops.py); reports name its collectives.
+    self.whole_dist: DistProgram = dist
     self.loop_failure: Optional[Failure] = None
     self.opaque_ops: list[ir.Op] = []  # ops only known as opaque functions
     self.on_progress = None  # called with the number of ops done, for progress bars

@@ -205,6 +205,7 @@ def _region_inference(inf, seq_loop: ir.Op, dist_loop: ir.Op, region: int,
   program = DistProgram(inf.dist.module, dist_region, inf.mesh, [], [], inf.dist.kind,
                         _invariant_splats(dist_loop, lambda v: inf.deg.splat(inf.deg.of(v))))
   sub = RelationInference(inf.seq_module, program, [], seq_graph=seq_region)
+  sub.whole_dist = inf.whole_dist
   sub.arith.aliases.update(inf.arith.aliases)  # nested loops see outer invariants
   sub.arith.aliases.update({dist_region.params[j].id: dist_loop.operands[j]
                             for j in _invariant_carries(dist_loop)})

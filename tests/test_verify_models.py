@@ -60,7 +60,7 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/pp_fori/shard_map/wrong_permutation":
         "activations or their cotangents passed to the wrong stage?",
     "gpt2/pp_scan/shard_map/wrong_permutation":
-        "only at pp=1: no rank holds both",
+        "only at pp=1: no rank holds both; collective-permute at",
     "llama3/pp_tp_scan/shard_map/wrong_replica_groups":
         "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
     "llama3/pp_scan_grad/shard_map/double_counted_grad":
