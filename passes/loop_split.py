@@ -91,6 +91,10 @@ def _rows_at_counter(loop: ir.Op, counter: int, n: int) -> Optional[_Rows]:
   body_ops = {id(op) for op in body.ops}
   ops = [op for op in body.walk()
          if id(op) not in body_ops or any(r.id in live for r in op.results)]
+  step = body.results[counter]
+  if any(r is step for m, r in enumerate(body.results) if m != counter) or any(
+      v is step for op in ops for v in op.operands):
+    return None  # i + 1 read as a value
   row_ops: set[int] = set()
   for op in ops:
     if id(op) in skipped:

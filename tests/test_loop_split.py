@@ -104,6 +104,16 @@ def test_a_loop_reading_its_counter_as_a_value_is_not_cut():
   assert split_layer_loops(module, {2}) == 0
 
 
+def test_a_loop_reading_its_next_counter_as_a_value_is_not_cut():
+  """The increment's i + 1 added in as well."""
+  module, _ = _prepared(_forward, 8)
+  body, counter, h = _forward_loop(module)
+  step = module.add_op(body, "convert", [body.results[counter]],
+                       [ir.TensorType((), "f32")]).results[0]
+  _add_to_carry(module, body, h, step)
+  assert split_layer_loops(module, {2}) == 0
+
+
 def test_a_loop_reading_a_stack_otherwise_is_not_cut():
   """A stack read at a fixed row as well as at the counter: a piece would
   see its own block's row there."""
