@@ -1,4 +1,4 @@
-"""The zoo benchmark's comparison of two runs (the timing itself is a benchmark, not a test)."""
+"""The benchmarks' helpers: runs compared, twins, depths (timing is a benchmark, not a test)."""
 
 import json
 
@@ -27,3 +27,12 @@ def test_a_twin_is_named_by_the_first_rule_that_applies():
       "gpt2/pp_gpipe_buffered/shard_map/ok"
   assert bench_zoo.twin_of("gpt2/pp_fori/shard_map/ok", rules, known) is None  # no such twin
   assert bench_zoo.twin_of("gpt2/cp_ring/shard_map/ok", rules, known) is None  # no rule applies
+
+
+def test_the_depth_benchmark_replaces_a_strategys_layer_count():
+  from tools import bench_depth
+  from tools.zoo.strategies import PP_SCAN
+  deeper = bench_depth.with_layers(PP_SCAN, 32)
+  assert dict(deeper.cfg_overrides)["layers"] == 32
+  assert [k for k, _ in deeper.cfg_overrides].count("layers") == 1
+  assert dict(deeper.cfg_overrides)["scan_layers"] and deeper.name == PP_SCAN.name
