@@ -30,6 +30,7 @@ import dataclasses
 from typing import Optional
 
 from graphguard_hlo import ir, reference
+from graphguard_hlo.passes.canonicalize import _fresh
 from graphguard_hlo.passes.loop_copies import counter_of
 from graphguard_hlo.passes.loop_edits import clone_region, cone, invariant, replace_uses
 from graphguard_hlo.passes.terms import splat_value
@@ -196,8 +197,8 @@ def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, counter: int, n: int
       written[j].append(piece.results[j])
   for j, pieces in written.items():
     blocks_in_order = pieces[::-1] if rows.backwards else pieces
-    new_ops.append(_op(module, "concatenate", blocks_in_order, {"dimension": 0},
-                       loop.results[j].type, loop.location))
+    new_ops.append(_fresh(module, "concatenate", blocks_in_order, {"dimension": 0},
+                          loop.results[j].shape, loop.results[j].type.dtype, loop.location))
     carries[j] = new_ops[-1].results[0]
   # The counter ends at N, as the loop's did.
   new_ops.append(_constant(module, n, loop.results[counter].type, loop.location))
@@ -247,24 +248,17 @@ def _block(module: ir.Module, ops: list[ir.Op], stack: ir.Value, start: int, k: 
   block = ir.TensorType((k,) + tuple(shape[1:]), stack.type.dtype)
   p = stack.producer
   if p is not None and p.name == "broadcast_in_dim" and p.operands[0].type.rank == 0:
-    ops.append(_op(module, "broadcast_in_dim", [p.operands[0]], {"broadcast_dimensions": ()},
-                   block, location))
+    ops.append(_fresh(module, "broadcast_in_dim", [p.operands[0]],
+                      {"broadcast_dimensions": ()}, block.shape, block.dtype, location))
     return ops[-1].results[0]
-  ops.append(_op(module, "slice", [stack],
-                 {"start_indices": (start,) + (0,) * (len(shape) - 1),
-                  "limit_indices": (start + k,) + tuple(shape[1:]),
-                  "strides": (1,) * len(shape)}, block, location))
+  ops.append(_fresh(module, "slice", [stack],
+                    {"start_indices": (start,) + (0,) * (len(shape) - 1),
+                     "limit_indices": (start + k,) + tuple(shape[1:]),
+                     "strides": (1,) * len(shape)}, block.shape, block.dtype, location))
   return ops[-1].results[0]
 
 
 def _constant(module: ir.Module, value: int, type: ir.TensorType,
               location: ir.Location) -> ir.Op:
-  return _op(module, "constant", [], {"value": reference.constant_array(value, type.dtype)},
-             type, location)
-
-
-def _op(module: ir.Module, name: str, operands: list[ir.Value], attrs: dict,
-        type: ir.TensorType, location: ir.Location) -> ir.Op:
-  op = ir.Op(name, operands, attrs, [], location)
-  op.results = [module.new_value(type, op, 0)]
-  return op
+  return _fresh(module, "constant", [], {"value": reference.constant_array(value, type.dtype)},
+                type.shape, type.dtype, location)

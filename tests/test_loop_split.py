@@ -94,22 +94,14 @@ def _add_to_carry(module, body, j, extra):
   body.results[j] = module.add_op(body, "add", [body.results[j], spread], [t]).results[0]
 
 
-def test_a_loop_reading_its_counter_as_a_value_is_not_cut():
-  """A body adding its counter: each piece would count from 0 again."""
+@pytest.mark.parametrize("read", ["counter", "increment"])
+def test_a_loop_reading_its_counter_as_a_value_is_not_cut(read):
+  """A body adding its counter i, or the increment's i + 1: each piece would
+  count from 0 (or 1) again."""
   module, _ = _prepared(_forward, 8)
   body, counter, h = _forward_loop(module)
-  step = module.add_op(body, "convert", [body.params[counter]],
-                       [ir.TensorType((), "f32")]).results[0]
-  _add_to_carry(module, body, h, step)
-  assert split_layer_loops(module, {2}) == 0
-
-
-def test_a_loop_reading_its_next_counter_as_a_value_is_not_cut():
-  """The increment's i + 1 added in as well."""
-  module, _ = _prepared(_forward, 8)
-  body, counter, h = _forward_loop(module)
-  step = module.add_op(body, "convert", [body.results[counter]],
-                       [ir.TensorType((), "f32")]).results[0]
+  value = (body.params if read == "counter" else body.results)[counter]
+  step = module.add_op(body, "convert", [value], [ir.TensorType((), "f32")]).results[0]
   _add_to_carry(module, body, h, step)
   assert split_layer_loops(module, {2}) == 0
 

@@ -1580,23 +1580,26 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # of a stacked gradient are its own (stages.py); and without the
   # varying-axes checker, every stage's cotangent |pp| times too large, met
   # where pp_grad's is.
-  for model, first_op, doubled_at in (("gpt2", "reduce", "add"),
-                                      ("llama3", "multiply", "output")):
+  gpipe_bug_ops = (("gpt2", "reduce", "add"), ("llama3", "multiply", "output"))
+
+  def trained_and_double_counted(model, strategy, doubled_at):
+    return (_shard_map_grad_case(model, strategy, cfg),
+            _shard_map_grad_case(model, strategy, cfg, "double_counted_grad",
+                                 check_vma=False, bug="double_counted_grad",
+                                 bug_primitive=doubled_at))
+
+  for model, first_op, doubled_at in gpipe_bug_ops:
     built.append(_shard_map_case(model, GPIPE, cfg, "ok", GPIPE.par()))
     built.append(_shard_map_case(model, GPIPE, cfg, "microbatch_fed_late",
                                  Parallel(run_stack=_gpipe_stages("pp", 4, inject_late=1)),
                                  "microbatch_skipped", first_op))
     if grad:
-      built.append(_shard_map_grad_case(model, GPIPE, cfg))
-      built.append(_shard_map_grad_case(model, GPIPE, cfg, "double_counted_grad",
-                                        check_vma=False, bug="double_counted_grad",
-                                        bug_primitive=doubled_at))
+      built.extend(trained_and_double_counted(model, GPIPE, doubled_at))
   # GPipe as the JAX pipelining examples write it: the batch reshaped into
   # microbatches, the outputs set into a buffer row by row (slabs.py); the
   # bug writes microbatch m's output at row m + 1, reported at the first op
   # reading the pipeline's output with the order the rows were put in.
-  for (model, first_op), doubled_at in zip((("gpt2", "reduce"), ("llama3", "multiply")),
-                                           ("add", "output")):
+  for model, first_op, doubled_at in gpipe_bug_ops:
     built.append(_shard_map_case(model, GPIPE_BUFFERED, cfg, "ok", GPIPE_BUFFERED.par()))
     if grad:
       built.append(_shard_map_grad_case(model, GPIPE_BUFFERED, cfg))
@@ -1613,10 +1616,7 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
         Parallel(run_stack=_gpipe_fori_stages("pp", 4, misplaced=1)),
         "output_misplaced", first_op))
     if grad:
-      built.append(_shard_map_grad_case(model, GPIPE_FORI, cfg))
-      built.append(_shard_map_grad_case(model, GPIPE_FORI, cfg, "double_counted_grad",
-                                        check_vma=False, bug="double_counted_grad",
-                                        bug_primitive=doubled_at))
+      built.extend(trained_and_double_counted(model, GPIPE_FORI, doubled_at))
   # Every stage's output sent to the stage before it, both ways of writing
   # the schedule: reported where stage 0's output, held at stage 3, meets
   # stage 1's norm weight, held at stage 1.
