@@ -456,10 +456,9 @@ def held_at_different_ranks(inf, op: ir.Op) -> bool:
 def _relations(inf, v: ir.Value) -> list:
   """``v``'s relations, and its pieces' if the program cut it; for a
   broadcast left for pieces to read (``inference.walk_ops``), its operand's."""
-  p = v.producer
-  if (v.id in inf.deferred and p is not None and p.name == "broadcast_in_dim"
-      and not inf.relations.get(v.id)):
-    return _relations(inf, p.operands[0])
+  operand = inf.deferred_broadcast_operand(v)
+  if operand is not None:
+    return _relations(inf, operand)
   split = inf.pieces.splits.get(v.id)
   return [r for t in ((v,) + (split.terms if split else ())) for r in inf.relations.get(t.id, ())]
 

@@ -262,14 +262,21 @@ class RelationInference:
             for r in self.relations.get(s.id, [])] + self.sums.describe(s) + \
         self.pieces.describe(s) + self._describe_deferred_broadcast(s)
 
-  def _describe_deferred_broadcast(self, s: ir.Value) -> list[str]:
+  def deferred_broadcast_operand(self, s: ir.Value) -> Optional[ir.Value]:
+    """The operand of a broadcast left for pieces to read (``walk_ops``) and
+    not related on its own: what reports show in its place."""
     p = s.producer
-    if (s.id not in self.deferred or p is None or p.name != "broadcast_in_dim"
-        or self.relations.get(s.id)):
+    if (s.id in self.deferred and p is not None and p.name == "broadcast_in_dim"
+        and not self.relations.get(s.id)):
+      return p.operands[0]
+    return None
+
+  def _describe_deferred_broadcast(self, s: ir.Value) -> list[str]:
+    x = self.deferred_broadcast_operand(s)
+    if x is None:
       return []
-    return [f"a broadcast of %{p.operands[0].id}, left for pieces to read; "
-            f"%{p.operands[0].id} is " + (" or ".join(self.describe(p.operands[0])[:2])
-                                        or "unrelated")]
+    return [f"a broadcast of %{x.id}, left for pieces to read; "
+            f"%{x.id} is " + (" or ".join(self.describe(x)[:2]) or "unrelated")]
 
   def new_term(self, type: ir.TensorType) -> ir.Value:
     """A value of no program: a sequential tensor ``sums.py`` or ``pieces.py``

@@ -54,18 +54,23 @@ def _summed_over_stages(inf, op: ir.Op, axis: str, n: int, m: int, i: int) -> se
   program adds up: ``D = w_0 + .. + w_{n-1}`` is ``w_s`` at stage s, so
   ``x_{s*m+i} ~ at[axis=s](L of D)``.  A pipeline whose stages scan their
   layers computes each stage's gradients in the loop of its round."""
-  by_layout: dict[Layout, list[int]] = {}
+  # Per stage, the per-device value it holds slot i as, by layout (the axis
+  # unpinned); the first such relation of each layout stands for the stage.
+  held_at: list[dict[Layout, int]] = []
   for s in range(n):
+    held: dict[Layout, int] = {}
     for r in inf.whole_relations(op.operands[s * m + i]):
-      if (r.layout.zero_elsewhere and r.layout.at == ((axis, s),) and r.layout.is_plain()
-          and len(by_layout.setdefault(_unpinned(r.layout, axis), [])) == s):
-        by_layout[_unpinned(r.layout, axis)].append(r.cls)
+      if r.layout.zero_elsewhere and r.layout.at == ((axis, s),) and r.layout.is_plain():
+        held.setdefault(_unpinned(r.layout, axis), r.cls)
+    held_at.append(held)
   out = set()
-  for layout, parts in by_layout.items():
-    if len(parts) == n and len(set(parts)) == n:
-      total = _sum_of(inf, parts)
-      if total is not None:
-        out.add((total, layout))
+  for layout in held_at[0]:
+    parts = [held.get(layout) for held in held_at]
+    if None in parts or len(set(parts)) != n:
+      continue
+    total = _sum_of(inf, parts)
+    if total is not None:
+      out.add((total, layout))
   return out
 
 
