@@ -20,10 +20,19 @@ ClassId = int
 class ENode:
   head: Hashable              # e.g. ("add", attrs, type); first item is the op name
   children: tuple[ClassId, ...] = ()
+  _hash: int = dataclasses.field(init=False, repr=False, compare=False)
 
   @property
   def op(self) -> str:
     return self.head[0] if isinstance(self.head, tuple) else str(self.head)
+
+  def __post_init__(self) -> None:
+    # Heads hold whole region fingerprints (a loop's body), and the hash-cons
+    # and user sets hash a node many times: hash it once.
+    object.__setattr__(self, "_hash", hash((self.head, self.children)))
+
+  def __hash__(self) -> int:
+    return self._hash
 
 
 class EGraph:
@@ -44,7 +53,9 @@ class EGraph:
     return root
 
   def canonical(self, node: ENode) -> ENode:
-    return ENode(node.head, tuple(self.find(c) for c in node.children))
+    children = tuple(self.find(c) for c in node.children)
+    # The same node when nothing changed, keeping its hash.
+    return node if children == node.children else ENode(node.head, children)
 
   # -- building ------------------------------------------------------------------
   def add(self, node: ENode) -> ClassId:

@@ -152,7 +152,8 @@ def _tied_first(operands: list[ir.Value], choices: list[list]):
 class RelationInference:
   def __init__(self, seq: ir.Module, dist: DistProgram,
                input_layouts: Optional[list[Layout]] = None,
-               seq_graph: Optional[ir.Graph] = None):
+               seq_graph: Optional[ir.Graph] = None,
+               deg: Optional[DistEGraph] = None):
     self.seq_module = seq
     self.seq = seq_graph or seq.main
     self.dist = dist
@@ -163,7 +164,13 @@ class RelationInference:
     self.opaque_ops: list[ir.Op] = []  # ops only known as opaque functions
     self.on_progress = None  # called with the number of ops done, for progress bars
     self.mesh = dist.mesh
-    self.deg = DistEGraph(dist.graph, dist.mesh, dist.param_splats)
+    # ``deg``: the same program's e-graph, built before (a loop body's, from
+    # an earlier Houdini round).  It holds facts of the per-device program
+    # alone, never of relations, so it is the same whatever is assumed.
+    self.deg = deg or DistEGraph(dist.graph, dist.mesh, dist.param_splats)
+    # Loop regions' e-graphs by (region, splat parameters), kept across
+    # Houdini rounds and shared with nested loops (loops.py).
+    self.region_egraphs: dict[tuple, tuple[ir.Graph, DistEGraph]] = {}
     self.arith = RankArithmetic(self.mesh)
     recognize_tile_lookups(dist.module, dist.graph, self.deg, self.arith, self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)

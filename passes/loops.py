@@ -202,9 +202,16 @@ def _region_inference(inf, seq_loop: ir.Op, dist_loop: ir.Op, region: int,
   from graphguard_hlo.passes.dist_program import DistProgram
   from graphguard_hlo.passes.inference import Relation, RelationInference
   seq_region, dist_region = seq_loop.regions[region], dist_loop.regions[region]
-  program = DistProgram(inf.dist.module, dist_region, inf.mesh, [], [], inf.dist.kind,
-                        _invariant_splats(dist_loop, lambda v: inf.deg.splat(inf.deg.of(v))))
-  sub = RelationInference(inf.seq_module, program, [], seq_graph=seq_region)
+  splats = _invariant_splats(dist_loop, lambda v: inf.deg.splat(inf.deg.of(v)))
+  program = DistProgram(inf.dist.module, dist_region, inf.mesh, [], [], inf.dist.kind, splats)
+  # Each Houdini round relates the same region under fewer assumptions; its
+  # per-device e-graph does not depend on them, so it is built once.
+  key = (id(dist_region), tuple(sorted(splats.items())))
+  cached = inf.region_egraphs.get(key)
+  sub = RelationInference(inf.seq_module, program, [], seq_graph=seq_region,
+                          deg=cached[1] if cached else None)
+  inf.region_egraphs[key] = (dist_region, sub.deg)  # (the region keeps its id unique)
+  sub.region_egraphs = inf.region_egraphs
   sub.whole_dist = inf.whole_dist
   sub.arith.aliases.update(inf.arith.aliases)  # nested loops see outer invariants
   sub.arith.aliases.update({dist_region.params[j].id: dist_loop.operands[j]
