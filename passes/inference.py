@@ -149,6 +149,36 @@ def _tied_first(operands: list[ir.Value], choices: list[list]):
       yield combo
 
 
+def _likely_first(operands: list[ir.Value], choices: list[list]):
+  """Every combination of the operands' choices (``_tied_first``).  When there
+  are more than MAX_COMBINATIONS, first those giving the operands of one rank
+  one layout: the per-device program most likely computes the op on tiles laid
+  out alike (an elementwise op, a row written into an accumulator), and a loop
+  accumulator that starts as zeros is assumed under every tiling of every
+  zero carry (loops.py), which would push the pair laid out alike past the cap."""
+  if math.prod(len(c) for c in choices) <= MAX_COMBINATIONS:
+    yield from _tied_first(operands, choices)  # all are tried: keep the order
+    return
+  seen = set()
+  for combo in itertools.chain(_laid_out_alike(operands, choices),
+                               _tied_first(operands, choices)):
+    if combo not in seen:
+      seen.add(combo)
+      yield combo
+
+
+def _laid_out_alike(operands: list[ir.Value], choices: list[list]):
+  """The combinations in which every operand of a layout's rank takes that
+  layout (operands of other ranks, an index, take any choice; a splat, which
+  adopts its neighbours' layout, stays), for each layout in the order the
+  choices list them."""
+  layouts = dict.fromkeys(l for choice in choices for _, l in choice if l is not None)
+  for layout in layouts:
+    picks = [[c for c in choice if c[1] in (layout, None)] if v.type.rank == layout.rank
+             else choice for v, choice in zip(operands, choices)]
+    yield from itertools.product(*picks)
+
+
 class RelationInference:
   def __init__(self, seq: ir.Module, dist: DistProgram,
                input_layouts: Optional[list[Layout]] = None,
@@ -586,7 +616,7 @@ class RelationInference:
       for k, v in enumerate(op.operands):
         if v.id not in self.splats:
           choices[k] = choices[k] + self._scalar_broadcast_tilings(v, choices, k)
-    for combo in itertools.islice(_tied_first(op.operands, choices), MAX_COMBINATIONS):
+    for combo in itertools.islice(_likely_first(op.operands, choices), MAX_COMBINATIONS):
       yield self._adopt_splat_layouts(op, list(combo))
 
   def _scalar_broadcast_tilings(self, v: ir.Value, choices, k: int) -> list:

@@ -1,16 +1,18 @@
 """The order relation inference tries its operands' relations in
-(inference._tied_first): every combination once, and for a value read twice
-(``x * x``) the combinations giving both reads the same relation first, so a
-value with many relations still meets ``d * d`` before the cap."""
+(inference._tied_first, _likely_first): every combination once; for a value
+read twice (``x * x``) the combinations giving both reads the same relation
+first, so a value with many relations still meets ``d * d`` before the cap;
+and past the cap, those laying operands of one rank out alike first."""
 
 import itertools
 
 from graphguard_hlo import ir
-from graphguard_hlo.passes.inference import MAX_COMBINATIONS, _tied_first
+from graphguard_hlo.passes.inference import MAX_COMBINATIONS, _likely_first, _tied_first
+from graphguard_hlo.passes.layout import Layout
 
 
-def _values(*ids):
-  return [ir.Value(i, ir.TensorType((2,), "f32")) for i in ids]
+def _values(*ids, shape=(2,)):
+  return [ir.Value(i, ir.TensorType(shape, "f32")) for i in ids]
 
 
 def test_distinct_operands_are_the_plain_product():
@@ -33,3 +35,40 @@ def test_a_value_read_twice_among_others():
   got = list(_tied_first([x, y, x], choices))
   assert got[:2] == [("p", "u", "p"), ("q", "u", "q")]
   assert sorted(got) == sorted(itertools.product(*choices))
+
+
+def _tiled(dim, axis):
+  dims = [(), (), ()]
+  dims[dim] = (axis,)
+  return Layout(tuple(dims))
+
+
+def test_under_the_cap_the_order_is_kept():
+  a, b = _tiled(0, "x"), _tiled(1, "x")
+  choices = [[("r1", a), ("r2", b)], [("u", b)]]
+  values = _values(1, 2, shape=(2, 2, 2))
+  assert list(_likely_first(values, choices)) == list(_tied_first(values, choices))
+
+
+def test_past_the_cap_operands_laid_out_alike_come_first():
+  # An accumulator assumed under 150 layouts, the one its update shares last;
+  # an index (rank 0) with two relations; a splat (no layout) that adopts any.
+  layouts = [_tiled(d, f"a{k}") for k in range(50) for d in range(3)]
+  shared = layouts[-1]
+  carry = [(f"c{k}", l) for k, l in enumerate(layouts)]
+  update = [("u0", layouts[0]), ("u1", shared)]
+  index = [("i0", Layout(())), ("i1", Layout(()))]
+  splat = [("splat", None)]
+  acc, upd = _values(1, 2, shape=(2, 2, 2))
+  idx, = _values(3, shape=())
+  zero, = _values(4, shape=(2, 2, 2))
+  choices = [carry, update, index, splat]
+  operands = [acc, upd, idx, zero]
+  got = list(_likely_first(operands, choices))
+  assert sorted(got, key=str) == sorted(itertools.product(*choices), key=str)
+  assert len(got) == len(set(got)) > MAX_COMBINATIONS
+  first = got[:4]
+  assert set(first) == {(carry[0], update[0], i, splat[0]) for i in index} | \
+      {(carry[-1], update[1], i, splat[0]) for i in index}
+  # the plain product would reach the shared layout only at the very end
+  assert list(itertools.product(*choices)).index(first[2]) >= MAX_COMBINATIONS

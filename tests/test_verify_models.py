@@ -63,6 +63,8 @@ _DIAGNOSES: dict[str, str] = {
         "only at pp=1: no rank holds both; collective-permute at",
     "llama3/pp_tp_scan/shard_map/wrong_replica_groups":
         "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
+    "gpt2/dp_pp_tp_scan_grad/shard_map/double_counted_grad":
+        "so summed over those ranks it is counted 2 times",
     "llama3/pp_scan_grad/shard_map/double_counted_grad":
         "the distributed value is 4 times the sequential one (summed over 4 = |pp| ranks",
     "gpt2/pp_grad/shard_map/double_counted_grad": "4 times the sequential one",

@@ -1718,13 +1718,18 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                _pp_tp_par(lambda axis: _psum(("pp", axis))),
                                "wrong_replica_groups", "add"))
   # ... each stage scanning its layers (loop_split.py): forward and trained
-  # on 2 x 4, forward on 2x2x2 (its training step is not proved), and the
-  # wrong replica groups met inside stage 0's loop.
-  for model in MODELS:
-    built.append(_shard_map_case(model, PP_TP_SCAN, cfg, "ok", PP_TP_SCAN.par()))
-    built.append(_shard_map_case(model, DP_PP_TP_SCAN, cfg, "ok", DP_PP_TP_SCAN.par()))
+  # on 2 x 4 and on 2x2x2, and the wrong replica groups met inside stage 0's
+  # loop.  Trained with the checker off, every psum over "tp" transposes to
+  # another: the cotangent is doubled where the backward loop's residual add
+  # meets it.
+  for model, strategy in itertools.product(MODELS, (PP_TP_SCAN, DP_PP_TP_SCAN)):
+    built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
     if grad:
-      built.append(_shard_map_grad_case(model, PP_TP_SCAN, cfg))
+      built.append(_shard_map_grad_case(model, strategy, cfg))
+  if grad:
+    built.append(_shard_map_grad_case("gpt2", DP_PP_TP_SCAN, cfg, "double_counted_grad",
+                                      check_vma=False, bug="double_counted_grad",
+                                      bug_primitive="add"))
   built.append(_shard_map_case("llama3", PP_TP_SCAN, cfg, "wrong_replica_groups",
                                _pp_tp_par(lambda axis: _psum(("pp", axis)), scan=True),
                                "wrong_replica_groups", "add"))
