@@ -120,3 +120,29 @@ def test_accumulators_added_into_each_other_are_reported_at_the_outputs():
   assert result.failure.op_name == "output" and result.failure.output_index == 0
   assert "sequential output 0 is what distributed output 4 holds (outputs returned in " \
          "another order?)" in result.failure.diagnosis, result.failure.diagnosis
+
+
+def test_each_loop_region_builds_its_per_device_egraph_once(monkeypatch):
+  """Houdini's rounds relate the same bodies under fewer assumptions: the
+  per-device e-graph, which holds no assumption, is built once per region
+  (and once for the whole program), however many rounds run."""
+  from graphguard_hlo.passes import dist_egraph, loops
+  built, rounds = [], []
+  real_init, real_region = dist_egraph.DistEGraph.__init__, loops._region_inference
+
+  def counting_init(self, graph, *a, **k):
+    built.append(id(graph))
+    real_init(self, graph, *a, **k)
+
+  def counting_region(inf, seq_loop, dist_loop, region, matches):
+    rounds.append(region)
+    return real_region(inf, seq_loop, dist_loop, region, matches)
+
+  monkeypatch.setattr(dist_egraph.DistEGraph, "__init__", counting_init)
+  monkeypatch.setattr(loops, "_region_inference", counting_region)
+  # Many zero accumulators: the candidates no iteration keeps are pruned in
+  # a first round, the rest confirmed in a second.
+  result = _verify_accumulators(_accumulate())
+  assert result.refines, result
+  assert rounds.count(1) >= 2  # the body, related in more than one round
+  assert len(built) == len(set(built)) == 3  # main, the loop's body and condition
