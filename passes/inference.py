@@ -18,6 +18,7 @@ output that gets no relation is reported, with what its operands had.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -149,31 +150,34 @@ def _tied_first(operands: list[ir.Value], choices: list[list]):
       yield combo
 
 
-def _likely_first(operands: list[ir.Value], choices: list[list]):
-  """Every combination of the operands' choices (``_tied_first``).  When there
-  are more than MAX_COMBINATIONS, first those giving the operands of one rank
-  one layout: the per-device program most likely computes the op on tiles laid
-  out alike (an elementwise op, a row written into an accumulator), and a loop
-  accumulator that starts as zeros is assumed under every tiling of every
-  zero carry (loops.py), which would push the pair laid out alike past the cap."""
-  if math.prod(len(c) for c in choices) <= MAX_COMBINATIONS:
-    yield from _tied_first(operands, choices)  # all are tried: keep the order
+def _operand_combinations_to_try(operands: list[ir.Value], choices: list[list]):
+  """The first MAX_COMBINATIONS combinations of the operands' choices in
+  ``_tied_first``'s order; when there are more, then up to as many again of
+  those giving the operands of one rank one layout: the per-device program
+  most likely computes the op on tiles laid out alike (a row written into an
+  accumulator), and a loop accumulator that starts as zeros is assumed under
+  every tiling of every zero carry (loops.py), which can push the pair laid
+  out alike past the cap.  Only ever more than the cap alone tries, in the
+  same order first, so no relation found within it is lost."""
+  tried = list(itertools.islice(_tied_first(operands, choices), MAX_COMBINATIONS))
+  yield from tried
+  if len(tried) < MAX_COMBINATIONS:
     return
-  seen = set()
-  for combo in itertools.chain(_laid_out_alike(operands, choices),
-                               _tied_first(operands, choices)):
-    if combo not in seen:
-      seen.add(combo)
-      yield combo
+  seen = set(tried)
+  alike = (c for c in _laid_out_alike(operands, choices) if c not in seen)
+  yield from itertools.islice(alike, MAX_COMBINATIONS)
 
 
 def _laid_out_alike(operands: list[ir.Value], choices: list[list]):
-  """The combinations in which every operand of a layout's rank takes that
-  layout (operands of other ranks, an index, take any choice; a splat, which
-  adopts its neighbours' layout, stays), for each layout in the order the
-  choices list them."""
+  """The combinations in which every operand of a layout's rank, if there
+  are two, takes that layout (operands of other ranks, an index, take any
+  choice; a splat, which adopts its neighbours' layout, stays), for each
+  layout in the order the choices list them."""
   layouts = dict.fromkeys(l for choice in choices for _, l in choice if l is not None)
+  ranks = collections.Counter(v.type.rank for v in operands)
   for layout in layouts:
+    if ranks[layout.rank] < 2:
+      continue  # no two operands to lay out alike (an index's rank)
     picks = [[c for c in choice if c[1] in (layout, None)] if v.type.rank == layout.rank
              else choice for v, choice in zip(operands, choices)]
     yield from itertools.product(*picks)
@@ -616,7 +620,7 @@ class RelationInference:
       for k, v in enumerate(op.operands):
         if v.id not in self.splats:
           choices[k] = choices[k] + self._scalar_broadcast_tilings(v, choices, k)
-    for combo in itertools.islice(_likely_first(op.operands, choices), MAX_COMBINATIONS):
+    for combo in _operand_combinations_to_try(op.operands, choices):
       yield self._adopt_splat_layouts(op, list(combo))
 
   def _scalar_broadcast_tilings(self, v: ir.Value, choices, k: int) -> list:

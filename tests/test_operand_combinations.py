@@ -1,13 +1,14 @@
 """The order relation inference tries its operands' relations in
-(inference._tied_first, _likely_first): every combination once; for a value
+(inference._tied_first, _operand_combinations_to_try): every combination once; for a value
 read twice (``x * x``) the combinations giving both reads the same relation
 first, so a value with many relations still meets ``d * d`` before the cap;
-and past the cap, those laying operands of one rank out alike first."""
+and past the cap, those laying operands of one rank out alike as well."""
 
 import itertools
 
 from graphguard_hlo import ir
-from graphguard_hlo.passes.inference import MAX_COMBINATIONS, _likely_first, _tied_first
+from graphguard_hlo.passes.inference import (MAX_COMBINATIONS, _operand_combinations_to_try,
+                                              _tied_first)
 from graphguard_hlo.passes.layout import Layout
 
 
@@ -43,14 +44,15 @@ def _tiled(dim, axis):
   return Layout(tuple(dims))
 
 
-def test_under_the_cap_the_order_is_kept():
+def test_under_the_cap_every_combination_in_the_same_order():
   a, b = _tiled(0, "x"), _tiled(1, "x")
   choices = [[("r1", a), ("r2", b)], [("u", b)]]
   values = _values(1, 2, shape=(2, 2, 2))
-  assert list(_likely_first(values, choices)) == list(_tied_first(values, choices))
+  assert list(_operand_combinations_to_try(values, choices)) == \
+      list(_tied_first(values, choices))
 
 
-def test_past_the_cap_operands_laid_out_alike_come_first():
+def test_past_the_cap_operands_laid_out_alike_are_tried_too():
   # An accumulator assumed under 150 layouts, the one its update shares last;
   # an index (rank 0) with two relations; a splat (no layout) that adopts any.
   layouts = [_tiled(d, f"a{k}") for k in range(50) for d in range(3)]
@@ -63,12 +65,17 @@ def test_past_the_cap_operands_laid_out_alike_come_first():
   idx, = _values(3, shape=())
   zero, = _values(4, shape=(2, 2, 2))
   choices = [carry, update, index, splat]
-  operands = [acc, upd, idx, zero]
-  got = list(_likely_first(operands, choices))
-  assert sorted(got, key=str) == sorted(itertools.product(*choices), key=str)
-  assert len(got) == len(set(got)) > MAX_COMBINATIONS
-  first = got[:4]
-  assert set(first) == {(carry[0], update[0], i, splat[0]) for i in index} | \
-      {(carry[-1], update[1], i, splat[0]) for i in index}
-  # the plain product would reach the shared layout only at the very end
-  assert list(itertools.product(*choices)).index(first[2]) >= MAX_COMBINATIONS
+  got = list(_operand_combinations_to_try([acc, upd, idx, zero], choices))
+  product = list(itertools.product(*choices))
+  # what the cap alone tried, in its order; then only the pairs laid out alike
+  assert got[:MAX_COMBINATIONS] == product[:MAX_COMBINATIONS]
+  assert got[MAX_COMBINATIONS:] == [(carry[-1], update[1], i, splat[0]) for i in index]
+  assert product.index(got[-1]) >= MAX_COMBINATIONS
+
+
+def test_the_combinations_laid_out_alike_are_capped_too():
+  # 300 relations of one layout on each side: 90,000 alike pairs.
+  layout = _tiled(0, "x")
+  rels = [[(f"r{k}", layout) for k in range(300)], [(f"s{k}", layout) for k in range(300)]]
+  got = list(_operand_combinations_to_try(_values(1, 2, shape=(2, 2, 2)), rels))
+  assert len(got) == len(set(got)) == 2 * MAX_COMBINATIONS
