@@ -29,6 +29,20 @@ def partitioned_from_dump(dump_dir: str, path_hint: str) -> ir.Module:
     return load_hlo_proto(path_hint, f.read())
 
 
+def partitioned_hlo_text(lowered) -> str:
+  """XLA's per-device module of a ``jax.stages.Lowered``, as HLO text (what
+  ``--xla_dump_hlo_as_text`` writes after spmd-partitioning)."""
+  with tempfile.TemporaryDirectory(prefix="gg-hlo-") as tmp:
+    lowered.compile(compiler_options=dict(DUMP_OPTIONS, xla_dump_to=tmp,
+                                          xla_dump_hlo_as_proto=False,
+                                          xla_dump_hlo_as_text=True))
+    found = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
+    if not found:
+      raise InputError("<jax>", "XLA produced no partitioned module (is it sharded?)")
+    with open(found[-1]) as f:
+      return f.read()
+
+
 def partition_lowered(lowered, path_hint: str = "<jax>") -> ir.Module:
   """Compile a ``jax.stages.Lowered`` and return XLA's per-device module."""
   with tempfile.TemporaryDirectory(prefix="gg-hlo-") as tmp:

@@ -65,6 +65,14 @@ _DIAGNOSES: dict[str, str] = {
         "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
     "gpt2/dp_pp_tp_scan_grad/shard_map/double_counted_grad":
         "so summed over those ranks it is counted 2 times",
+    "gpt2/tp/gspmd/missing_allreduce": "is only known as a partial sum over 'a0' that is "
+                                        "never reduced",
+    "llama3/dp_tp/gspmd/wrong_replica_groups":
+        "reduces over 'a0' but the partial sum is over 'a1', 'a2' (wrong replica groups",
+    "gpt2/dp_take_grad/gspmd/grad_not_allreduced": "is a partial sum over 'a0' never reduced "
+                                                   "(missing all-reduce)",
+    "llama3/dp_tp_grad/gspmd/grad_not_allreduced": "is a partial sum over 'a0' never reduced "
+                                                   "(missing all-reduce)",
     "llama3/pp_scan_grad/shard_map/double_counted_grad":
         "the distributed value is 4 times the sequential one (summed over 4 = |pp| ranks",
     "gpt2/pp_grad/shard_map/double_counted_grad": "4 times the sequential one",

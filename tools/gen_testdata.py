@@ -12,6 +12,7 @@ Per case, in ``DIR/<case name with / as __>/``:
   dist.mlir             shard_map cases: StableHLO with the manual computation
   dist.hlo.txt/.hlo.pb  GSPMD cases: XLA's per-device module right after
                         spmd-partitioning, as HLO text and as an HLO proto
+                        (a GSPMD bug: the edited HLO text alone)
 Absolute paths of this checkout are written repo-relative, so the files are
 the same on every machine.
 """
@@ -52,6 +53,12 @@ def dump_case(case, outdir: str) -> list[str]:
     kw["in_shardings"] = case.in_shardings
   if case.out_shardings is not None:
     kw["out_shardings"] = case.out_shardings
+  if case.dist_edit is not None:  # a GSPMD bug: XLA's module as edited (partitioner_bugs.py)
+    from tools.zoo.partitioner_bugs import partitioned_text
+    path = os.path.join(outdir, "dist.hlo.txt")
+    with open(path, "w") as f:
+      f.write(_relative(partitioned_text(case)))
+    return written + [path]
   lowered = jax.jit(case.dist_fn, **kw).lower(*case.dist_args)
   if case.style == "shard_map":
     path = os.path.join(outdir, "dist.mlir")

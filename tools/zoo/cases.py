@@ -8,8 +8,9 @@ arrays.  Its distributed versions are:
     written shape-generically) so that a seeded bug is the *only* difference
     between a correct and a buggy variant.
   * ``gspmd``: the sequential function itself, jitted with in/out shardings, so
-    XLA's partitioner chooses the collectives.  Bugs are never seeded here:
-    there are no hand-written collectives to get wrong.
+    XLA's partitioner chooses the collectives.  There are no hand-written
+    collectives to get wrong: a GSPMD bug is an edit of XLA's per-device
+    module (``partitioner_bugs.py``), as a partitioner bug would make it.
 
 ``Case.bug_primitive`` names the jax primitive of the first sequential op (in
 jaxpr order) whose value the buggy program no longer computes in any sharded
@@ -58,6 +59,10 @@ class Case:
   # Arguments drawn as magnitudes by the numeric checks (Adam's second
   # moments: a negative one is no state Adam can be in, and its sqrt is NaN).
   nonnegative_args: tuple[int, ...] = ()
+  # GSPMD bugs: the edit made to XLA's per-device module
+  # (``partitioner_bugs.py``); the partitioner writes the collectives, so no
+  # bug of a GSPMD program is in its Python.
+  dist_edit: Any = None
   # How closely the two programs' outputs agree on a run (bfloat16 ones
   # round their partial sums, summed in another order).
   tolerance: float = 1e-4
@@ -69,6 +74,9 @@ class Case:
   def modules(self):
     """(sequential, distributed) modules as the verifier reads them."""
     from graphguard_hlo.lowering import lower_distributed, lower_sequential
+    if self.dist_edit is not None:
+      from tools.zoo.partitioner_bugs import load_partitioned
+      return lower_sequential(self.seq_fn, *self.seq_args), load_partitioned(self)
     return (lower_sequential(self.seq_fn, *self.seq_args),
             lower_distributed(self.dist_fn, *self.dist_args, in_shardings=self.in_shardings,
                               out_shardings=self.out_shardings))
@@ -79,9 +87,11 @@ class Case:
     assert (self.bug is None) == (self.bug_primitive is None), self.name
     if self.style == "gspmd":  # the sequential function itself, partitioned by XLA
       # (or the same model with its scanned layer under jax.checkpoint)
-      assert self.bug is None and (self.dist_fn is self.seq_fn or "_remat" in self.name), \
-          self.name
+      assert (self.bug is None) == (self.dist_edit is None), self.name
+      assert self.dist_fn is self.seq_fn or "_remat" in self.name, self.name
       assert self.in_shardings is not None and self.out_shardings is not None, self.name
+    else:
+      assert self.dist_edit is None, self.name
     for a in self.dist_args:
       assert a.sharding is not None and a.sharding.mesh is self.mesh, self.name
     for a in self.seq_args:

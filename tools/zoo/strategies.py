@@ -56,9 +56,11 @@ gradient sharded like its parameter.  NB: that output is a tuple, which
 ``numeric.run_both`` (``np.asarray`` of the output) cannot hold; use
 ``run_both`` here, or ``model_cases(grad=False)``.
 
-Seeded bugs (shard_map only); ``bug_primitive`` follows ``cases.py``: the jax
-primitive of the first sequential op whose value the buggy program no longer
-computes in any sharded form, or ``"output"``.
+Seeded bugs; ``bug_primitive`` follows ``cases.py``: the jax primitive of the
+first sequential op whose value the buggy program no longer computes in any
+sharded form, or ``"output"``.  A GSPMD program's collectives are XLA's, so
+its bugs are edits of XLA's per-device module (``partitioner_bugs.py``): an
+all-reduce dropped or given another axis's replica groups.
 
 Token ids are int32.  ``numeric.random_inputs`` draws them as truncated
 gaussians (mostly 0); ``model_inputs`` draws them uniformly from the
@@ -78,7 +80,7 @@ import numpy as np
 from jax import lax, shard_map
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tools.zoo import one_f_one_b, training, zero
+from tools.zoo import one_f_one_b, partitioner_bugs, training, zero
 from tools.zoo.cases import Case, mesh_of
 from tools.zoo.models import (MODELS, SEQUENTIAL, Config, Parallel, arg_shapes, base_name,
                               is_stacked, loss_fn, param_specs, repeat_kv, run_stack_in_order,
@@ -963,6 +965,15 @@ def _gspmd_case(model, strategy, cfg) -> Case:
               style="gspmd", bug=None, bug_primitive=None,
               out_shardings=NamedSharding(mesh, P()),
               in_shardings=tuple(NamedSharding(mesh, s) for s in specs))
+
+
+def _partitioner_bug(model, strategy: _Strategy, cfg, grad: bool, variant: str, edit,
+                     bug: str, bug_primitive: str) -> Case:
+  """``strategy``'s GSPMD program (its training step with ``grad``) with XLA's
+  per-device module edited by ``edit`` (``partitioner_bugs.py``)."""
+  case = (_grad_case if grad else _gspmd_case)(model, strategy, cfg)
+  return dataclasses.replace(case, name=case.name.replace("/ok", f"/{variant}"), bug=bug,
+                             bug_primitive=bug_primitive, dist_edit=edit)
 
 
 def _loss_and_grads(fn, n_params: int) -> Callable:
@@ -1969,6 +1980,25 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                clip=functools.partial(training.clip_by_sharded_global_norm,
                                                       count_replicas=True),
                                bug="norm_counts_replicas", bug_primitive="add"))
+  # GSPMD: XLA's per-device module with one all-reduce edited, as a
+  # partitioner bug would leave it.  The attention's partial sums kept per
+  # rank, or summed over "dp"'s replica groups instead of "tp"'s: each met at
+  # the residual add.  The last gradient's all-reduce over "dp" dropped: every
+  # intermediate is right, that output is a partial sum.
+  dp_groups = ((0, 4), (1, 5), (2, 6), (3, 7))  # "dp" of the 2 x 4 mesh
+  built.append(_partitioner_bug("gpt2", _STRATEGIES["tp"], cfg, False, "missing_allreduce",
+                                partitioner_bugs.drop_all_reduce(0), "missing_allreduce",
+                                "add"))
+  built.append(_partitioner_bug("llama3", _STRATEGIES["dp_tp"], cfg, False,
+                                "wrong_replica_groups",
+                                partitioner_bugs.regroup_all_reduce(0, dp_groups),
+                                "wrong_replica_groups", "add"))
+  if grad:
+    for model, strategy in (("gpt2", _looked_up(_STRATEGIES["dp"])),
+                            ("llama3", _STRATEGIES["dp_tp"])):
+      built.append(_partitioner_bug(model, strategy, cfg, True, "grad_not_allreduced",
+                                    partitioner_bugs.drop_all_reduce(-1),
+                                    "grad_not_allreduced", "output"))
   return tuple(built)
 
 
@@ -2013,6 +2043,9 @@ def run_both(case: Case, inputs=None, seed: int = 0):
   seq_out = jax.jit(case.seq_fn)(*inputs)
   dist_inputs = [jax.device_put(x, a.sharding)
                  for x, a in zip(inputs, case.dist_args)]
+  if case.dist_edit is not None:  # a GSPMD bug: XLA's module edited, run by the interpreter
+    from tools.zoo.partitioner_bugs import run_partitioned
+    return jax.tree.map(np.asarray, seq_out), run_partitioned(case, inputs)
   if case.style == "gspmd":
     dist = jax.jit(case.dist_fn, in_shardings=case.in_shardings,
                    out_shardings=case.out_shardings)
