@@ -447,10 +447,10 @@ def _pin_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
-def held_at_different_ranks(inf, op: ir.Op) -> bool:
-  """Are two of ``op``'s operands the sequential values only at ranks that
-  never meet (``_pin_words``)?"""
-  return _pin_words(inf, op) is not None
+def held_at_different_ranks(inf, op: ir.Op) -> Optional[str]:
+  """Words saying which two of ``op``'s operands are the sequential values
+  only at ranks that never meet, if two are (``_pin_words``)."""
+  return _pin_words(inf, op)
 
 
 def _relations(inf, v: ir.Value) -> list:
@@ -683,12 +683,13 @@ def _masked_lookup_words(inf, table_cls: int) -> Optional[str]:
   return None
 
 
-def diagnose_op(inf, op: ir.Op):
+def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
+  """``pin_words``: ``held_at_different_ranks``'s words, if the caller has them."""
   from graphguard_hlo.passes.inference import Failure
   inputs = [(f"%{v.id}: {v.type}", inf.describe(v)) for v in op.operands]
   problems = _operand_problems(inf, op)
   for words in (_ring_words(inf, op), _share_words(inf, op) or _fold_words(inf, op),
-                _pin_words(inf, op),
+                pin_words or _pin_words(inf, op),
                 _iota_words(inf, op), _indexed_tile_words(inf, op)):
     if words:
       problems.append(words)

@@ -362,11 +362,12 @@ class RelationInference:
                    and not self.whole_relations(r) and r.id not in self.deferred
                    and not self.pieces.has(r)]
       if unrelated and self.deferred_origin(op.operands) is not None:
-        if held_at_different_ranks(self, op):
+        pin_words = held_at_different_ranks(self, op)
+        if pin_words:
           # Two stages' values meet here (a broadcast deferred for pieces
           # read with activations sent to the wrong stage): this op is the
           # first one wrong, not where the broadcast began.
-          return _with_reason(diagnose_op(self, op), self.pieces.explain(op))
+          return _with_reason(diagnose_op(self, op, pin_words), self.pieces.explain(op))
         return self.deferred_failure(op.operands)
       if unrelated and self.pieces.splits and op.name == "broadcast_in_dim" and (
           self.whole_relations(op.operands[0]) or op.operands[0].id in self.splats):
