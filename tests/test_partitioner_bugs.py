@@ -1,5 +1,5 @@
 """GSPMD's seeded bugs (tools/zoo/partitioner_bugs.py): each edit changes the
-one all-reduce it names, and the interpreter's run of XLA's per-device module,
+one all-reduce or table of tile offsets it names, and the interpreter's run of XLA's per-device module,
 the ground truth for those bugs, agrees with jax's run of the unedited one."""
 
 import dataclasses
@@ -42,11 +42,30 @@ def test_regroup_replaces_the_groups_in_either_spelling(nth):
       "{{0,1,2,3},{4,5,6,7}}" if nth == 0 else "mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", "G")
 
 
+_TABLES = """  %c0 = s32[4]{0} constant({0, 1, 0, 1}), metadata={op_name="jit(f)/iota"}
+  %c1 = s32[4]{0} constant({0, 16, 32, 48}), metadata={op_name="jit(f)/dot_general"}
+  %c2 = s32[3]{0} constant({2, 1, 0})
+  %c3 = s32[2]{0} constant({0, 8})"""
+
+
+def test_rotate_moves_each_rank_to_the_next_ranks_offset():
+  (old, new), = _changed(_TABLES, partitioner_bugs.rotate_rank_table(0).apply(_TABLES))
+  assert new == '  %c1 = s32[4]{0} constant({16, 32, 48, 0}), metadata={op_name="jit(f)/dot_general"}'
+  (old, new), = _changed(_TABLES, partitioner_bugs.rotate_rank_table(-1).apply(_TABLES))
+  assert new == "  %c3 = s32[2]{0} constant({8, 0})"
+
+
 @pytest.mark.parametrize("edit", [partitioner_bugs.drop_all_reduce(2),
                                   partitioner_bugs.regroup_all_reduce(-3, ((0, 1),))])
 def test_an_all_reduce_the_module_lacks_is_an_error(edit):
   with pytest.raises(ValueError, match="no all-reduce"):
     edit.apply(_TEXT)
+
+
+def test_a_table_the_module_lacks_is_an_error():
+  # (neither {0, 1, 0, 1} nor {2, 1, 0} is a table of tile offsets)
+  with pytest.raises(ValueError, match="has 2 rank tables; no rank table 2"):
+    partitioner_bugs.rotate_rank_table(2).apply(_TABLES)
 
 
 @pytest.mark.parametrize("name", ["gpt2/tp/gspmd/ok", "llama3/dp_tp_grad/gspmd/ok"])

@@ -69,6 +69,9 @@ _DIAGNOSES: dict[str, str] = {
                                         "never reduced",
     "llama3/dp_tp/gspmd/wrong_replica_groups":
         "reduces over 'a0' but the partial sum is over 'a1', 'a2' (wrong replica groups",
+    "llama3/sp/gspmd/wrong_shard_offset": "starting at 8, 0 along dim 1 at a0 = 0, 1: tile "
+                                          "a0+1, another rank's tile?",
+    "llama3/cp/gspmd/wrong_shard_offset": "as concat[dim0:a0+1](d@r)",
     "gpt2/dp_take_grad/gspmd/grad_not_allreduced": "is a partial sum over 'a0' never reduced "
                                                    "(missing all-reduce)",
     "llama3/dp_tp_grad/gspmd/grad_not_allreduced": "is a partial sum over 'a0' never reduced "

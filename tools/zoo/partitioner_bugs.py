@@ -74,6 +74,39 @@ def regroup_all_reduce(nth: int, groups: tuple[tuple[int, ...], ...]) -> Edit:
   return Edit(f"all-reduce {nth} over {text_groups}", apply)
 
 
+_RANK_TABLE = re.compile(r"^(\s*%\S+ = s32\[\d+\]\{0\} constant\(\{)([0-9, ]+)(\}\).*)$")
+
+
+def _rank_tables(lines: list[str]) -> list[int]:
+  """Lines of the integer constants XLA indexes by partition id to find a
+  rank's tile: 0, k, 2k, ... (one entry per partition or per axis rank)."""
+  found = []
+  for i, line in enumerate(lines):
+    m = _RANK_TABLE.match(line)
+    if m:
+      values = [int(v) for v in m.group(2).split(",")]
+      step = values[1] - values[0] if len(values) > 1 else 0
+      if len(values) > 1 and step > 0 and values == list(range(0, step * len(values), step)):
+        found.append(i)
+  return found
+
+
+def rotate_rank_table(nth: int) -> Edit:
+  """The ``nth`` table of tile offsets (in text order) rotated by one: each
+  rank reads the tile of the next (a wrong shard offset)."""
+  def apply(text: str) -> str:
+    lines = text.split("\n")
+    tables = _rank_tables(lines)
+    if not -len(tables) <= nth < len(tables):
+      raise ValueError(f"the module has {len(tables)} rank tables; no rank table {nth}")
+    i = tables[nth]
+    head, values, rest = _RANK_TABLE.match(lines[i]).groups()
+    values = values.split(", ")
+    lines[i] = head + ", ".join(values[1:] + values[:1]) + rest
+    return "\n".join(lines)
+  return Edit(f"rank table {nth} rotated by one", apply)
+
+
 def partitioned_text(case) -> str:
   """XLA's per-device HLO text of a GSPMD case, with the case's edit made."""
   from graphguard_hlo.xla_partition import partitioned_hlo_text

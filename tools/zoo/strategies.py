@@ -1980,11 +1980,20 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                clip=functools.partial(training.clip_by_sharded_global_norm,
                                                       count_replicas=True),
                                bug="norm_counts_replicas", bug_primitive="add"))
-  # GSPMD: XLA's per-device module with one all-reduce edited, as a
+  # GSPMD: XLA's per-device module with one instruction edited, as a
   # partitioner bug would leave it.  The attention's partial sums kept per
   # rank, or summed over "dp"'s replica groups instead of "tp"'s: each met at
   # the residual add.  The last gradient's all-reduce over "dp" dropped: every
   # intermediate is right, that output is a partial sum.
+  # And a table of tile offsets, indexed by partition id, rotated: each rank
+  # slices the next rank's tile of a weight (sp), or offsets its positions by
+  # the next rank's (cp: RoPE's angles, the first op reading them).
+  built.append(_partitioner_bug("llama3", _STRATEGIES["sp"], cfg, False, "wrong_shard_offset",
+                                partitioner_bugs.rotate_rank_table(0), "wrong_shard_offset",
+                                "dot_general"))
+  built.append(_partitioner_bug("llama3", _STRATEGIES["cp"], cfg, False, "wrong_shard_offset",
+                                partitioner_bugs.rotate_rank_table(0), "wrong_shard_offset",
+                                "multiply"))
   dp_groups = ((0, 4), (1, 5), (2, 6), (3, 7))  # "dp" of the 2 x 4 mesh
   built.append(_partitioner_bug("gpt2", _STRATEGIES["tp"], cfg, False, "missing_allreduce",
                                 partitioner_bugs.drop_all_reduce(0), "missing_allreduce",
