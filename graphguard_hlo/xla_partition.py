@@ -20,12 +20,17 @@ DUMP_OPTIONS = {"xla_dump_hlo_pass_re": "spmd-partitioning", "xla_dump_hlo_as_pr
                 "xla_dump_hlo_as_text": False}
 
 
-def partitioned_from_dump(dump_dir: str, path_hint: str) -> ir.Module:
-  found = sorted(glob.glob(os.path.join(dump_dir, "*after_spmd-partitioning*.pb")))
+def _partitioned_dump_file(dump_dir: str, ext: str, path_hint: str) -> str:
+  """The dump of the module right after spmd-partitioning, as ``ext``."""
+  found = sorted(glob.glob(os.path.join(dump_dir, f"*after_spmd-partitioning*{ext}")))
   if not found:
     raise InputError(path_hint, "XLA produced no partitioned module (is it sharded?)")
   # The last partitioning pass of the main module is the one we want.
-  with open(found[-1], "rb") as f:
+  return found[-1]
+
+
+def partitioned_from_dump(dump_dir: str, path_hint: str) -> ir.Module:
+  with open(_partitioned_dump_file(dump_dir, ".pb", path_hint), "rb") as f:
     return load_hlo_proto(path_hint, f.read())
 
 
@@ -36,10 +41,7 @@ def partitioned_hlo_text(lowered) -> str:
     lowered.compile(compiler_options=dict(DUMP_OPTIONS, xla_dump_to=tmp,
                                           xla_dump_hlo_as_proto=False,
                                           xla_dump_hlo_as_text=True))
-    found = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
-    if not found:
-      raise InputError("<jax>", "XLA produced no partitioned module (is it sharded?)")
-    with open(found[-1]) as f:
+    with open(_partitioned_dump_file(tmp, ".txt", "<jax>")) as f:
       return f.read()
 
 

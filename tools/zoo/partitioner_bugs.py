@@ -38,25 +38,32 @@ class Edit:
   apply: Callable[[str], str]
 
 
-def _nth_all_reduce(lines: list[str], nth: int) -> int:
-  """The line of the ``nth`` single-operand all-reduce (negative: from the end)."""
-  found = [i for i, line in enumerate(lines) if _ALL_REDUCE.match(line)]
-  if not -len(found) <= nth < len(found):
-    raise ValueError(f"the module has {len(found)} single-operand all-reduces; no all-reduce {nth}")
-  return found[nth]
+def _edit_nth(text: str, found: Callable[[list[str]], list[int]], nth: int, what: str,
+              rewrite: Callable[[str], str]) -> str:
+  """``text`` with the ``nth`` of the lines ``found`` picks (negative: from
+  the end) rewritten; ``what`` names them in the error if there is none."""
+  lines = text.split("\n")
+  picked = found(lines)
+  if not -len(picked) <= nth < len(picked):
+    raise ValueError(f"the module has {len(picked)} {what}s; no {what} {nth}")
+  i = picked[nth]
+  lines[i] = rewrite(lines[i])
+  return "\n".join(lines)
+
+
+def _all_reduces(lines: list[str]) -> list[int]:
+  return [i for i, line in enumerate(lines) if _ALL_REDUCE.match(line)]
 
 
 def drop_all_reduce(nth: int) -> Edit:
   """The ``nth`` all-reduce (in text order) becomes a copy of its operand:
   each rank keeps its partial sum (a missing aggregation)."""
-  def apply(text: str) -> str:
-    lines = text.split("\n")
-    i = _nth_all_reduce(lines, nth)
-    head, operand, rest = _ALL_REDUCE.match(lines[i]).groups()
+  def rewrite(line: str) -> str:
+    head, operand, rest = _ALL_REDUCE.match(line).groups()
     metadata = _METADATA.search(rest)
-    lines[i] = f"{head} copy({operand})" + (f", {metadata.group(0)}" if metadata else "")
-    return "\n".join(lines)
-  return Edit(f"all-reduce {nth} dropped", apply)
+    return f"{head} copy({operand})" + (f", {metadata.group(0)}" if metadata else "")
+  return Edit(f"all-reduce {nth} dropped",
+              lambda text: _edit_nth(text, _all_reduces, nth, "all-reduce", rewrite))
 
 
 def regroup_all_reduce(nth: int, groups: tuple[tuple[int, ...], ...]) -> Edit:
@@ -64,14 +71,13 @@ def regroup_all_reduce(nth: int, groups: tuple[tuple[int, ...], ...]) -> Edit:
   (wrong replica groups: another mesh axis)."""
   text_groups = "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
 
-  def apply(text: str) -> str:
-    lines = text.split("\n")
-    i = _nth_all_reduce(lines, nth)
-    lines[i], n = _GROUPS.subn(f"replica_groups={text_groups}", lines[i], count=1)
+  def rewrite(line: str) -> str:
+    line, n = _GROUPS.subn(f"replica_groups={text_groups}", line, count=1)
     if n != 1:
-      raise ValueError(f"all-reduce {nth} has no replica groups to replace: {lines[i]}")
-    return "\n".join(lines)
-  return Edit(f"all-reduce {nth} over {text_groups}", apply)
+      raise ValueError(f"all-reduce {nth} has no replica groups to replace: {line}")
+    return line
+  return Edit(f"all-reduce {nth} over {text_groups}",
+              lambda text: _edit_nth(text, _all_reduces, nth, "all-reduce", rewrite))
 
 
 _RANK_TABLE = re.compile(r"^(\s*%\S+ = s32\[\d+\]\{0\} constant\(\{)([0-9, ]+)(\}\).*)$")
@@ -83,28 +89,22 @@ def _rank_tables(lines: list[str]) -> list[int]:
   found = []
   for i, line in enumerate(lines):
     m = _RANK_TABLE.match(line)
-    if m:
-      values = [int(v) for v in m.group(2).split(",")]
-      step = values[1] - values[0] if len(values) > 1 else 0
-      if len(values) > 1 and step > 0 and values == list(range(0, step * len(values), step)):
-        found.append(i)
+    values = [int(v) for v in m.group(2).split(",")] if m else []
+    if len(values) > 1 and values[1] > 0 and values == list(range(0, values[1] * len(values),
+                                                                   values[1])):
+      found.append(i)
   return found
 
 
 def rotate_rank_table(nth: int) -> Edit:
   """The ``nth`` table of tile offsets (in text order) rotated by one: each
   rank reads the tile of the next (a wrong shard offset)."""
-  def apply(text: str) -> str:
-    lines = text.split("\n")
-    tables = _rank_tables(lines)
-    if not -len(tables) <= nth < len(tables):
-      raise ValueError(f"the module has {len(tables)} rank tables; no rank table {nth}")
-    i = tables[nth]
-    head, values, rest = _RANK_TABLE.match(lines[i]).groups()
+  def rewrite(line: str) -> str:
+    head, values, rest = _RANK_TABLE.match(line).groups()
     values = values.split(", ")
-    lines[i] = head + ", ".join(values[1:] + values[:1]) + rest
-    return "\n".join(lines)
-  return Edit(f"rank table {nth} rotated by one", apply)
+    return head + ", ".join(values[1:] + values[:1]) + rest
+  return Edit(f"rank table {nth} rotated by one",
+              lambda text: _edit_nth(text, _rank_tables, nth, "rank table", rewrite))
 
 
 def partitioned_text(case) -> str:

@@ -60,7 +60,8 @@ Seeded bugs; ``bug_primitive`` follows ``cases.py``: the jax primitive of the
 first sequential op whose value the buggy program no longer computes in any
 sharded form, or ``"output"``.  A GSPMD program's collectives are XLA's, so
 its bugs are edits of XLA's per-device module (``partitioner_bugs.py``): an
-all-reduce dropped or given another axis's replica groups.
+all-reduce dropped or given another axis's replica groups, a table of tile
+offsets rotated.
 
 Token ids are int32.  ``numeric.random_inputs`` draws them as truncated
 gaussians (mostly 0); ``model_inputs`` draws them uniformly from the
