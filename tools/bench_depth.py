@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
-import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -30,17 +28,6 @@ def with_layers(strategy, layers: int):
   return dataclasses.replace(strategy, cfg_overrides=kept + (("layers", layers),))
 
 
-def _median_seconds(case, repeat: int) -> tuple[bool, float]:
-  from graphguard_hlo.pipeline import verify_modules
-  times = []
-  for _ in range(repeat):
-    seq, dist = case.modules()
-    start = time.perf_counter()
-    result = verify_modules(seq, dist)
-    times.append(time.perf_counter() - start)
-  return bool(result.refines), statistics.median(times)
-
-
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--model", default="llama3", choices=("gpt2", "llama3"))
@@ -49,6 +36,7 @@ def main(argv=None) -> None:
   p.add_argument("--repeat", type=int, default=3)
   args = p.parse_args(argv)
   import jax
+  from tools.bench_zoo import median_verify_seconds
   from tools.zoo import strategies
   from tools.zoo.models import Config
   print(f"{'layers':>6s}  {'program':34s} {'verdict':10s} {'median':>8s}")
@@ -59,7 +47,7 @@ def main(argv=None) -> None:
           ("fwd", strategies._shard_map_case(args.model, strategy, Config(), "ok",
                                              strategy.par())),
           ("fwd+bwd", strategies._shard_map_grad_case(args.model, strategy, Config()))):
-        proved, seconds = _median_seconds(case, args.repeat)
+        proved, seconds = median_verify_seconds(case, args.repeat)
         print(f"{layers:6d}  {strategy.name + ' ' + kind:34s} "
               f"{'proved' if proved else 'not proved':10s} {seconds:7.3f} s", flush=True)
         jax.clear_caches()

@@ -52,23 +52,29 @@ def _use_engine_of(tree: str) -> None:
   assert graphguard_hlo.__file__.startswith(tree), graphguard_hlo.__file__
 
 
+def median_verify_seconds(case, repeat: int) -> tuple[bool, float]:
+  """(proved, median seconds) of ``repeat`` verifications of ``case``:
+  canonicalization and relation inference, lowering excluded."""
+  from graphguard_hlo.pipeline import verify_modules
+  times = []
+  for _ in range(repeat):
+    seq, dist = case.modules()
+    start = time.perf_counter()
+    result = verify_modules(seq, dist)
+    times.append(time.perf_counter() - start)
+  return bool(result.refines), statistics.median(times)
+
+
 def _time(matches: list[str], repeat: int, twins: list[str] = ()
           ) -> dict[str, tuple[bool, float]]:
   sys.path.append(REPO)  # this checkout's zoo (after --tree's engine)
-  from graphguard_hlo.pipeline import verify_modules
   from tools.zoo import strategies
   cases = {c.name: c for c in strategies.model_cases()}
   names = sorted(name for name in cases if all(m in name for m in matches))
   out = {}
 
   def timed(name: str) -> tuple[bool, float]:
-    times = []
-    for _ in range(repeat):
-      seq, dist = cases[name].modules()
-      start = time.perf_counter()
-      result = verify_modules(seq, dist)
-      times.append(time.perf_counter() - start)
-    return bool(result.refines), statistics.median(times)
+    return median_verify_seconds(cases[name], repeat)
 
   ratios = []
   for name in names:
