@@ -17,6 +17,7 @@ from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.collectives import COLLECTIVES
 from graphguard_hlo.passes.layout import Layout, scales_equal
+from graphguard_hlo.passes.sharding import group_axes
 from graphguard_hlo.passes.terms import freeze
 from graphguard_hlo.passes.transfer import ring_shift
 
@@ -133,6 +134,19 @@ def _scale_origin_words(inf, v: ir.Value, start, members: dict) -> str:
                                                            f"the sequential %{sid}", 1))
 
 
+def _axes_of_reordered_groups(op: ir.Op, mesh) -> Optional[tuple[str, ...]]:
+  """The mesh axes a collective's replica groups would run over, were each
+  group listed in the mesh's order (None if they would not either)."""
+  groups = op.attrs.get("replica_groups")
+  if not groups or op.name == "collective_permute":
+    return None
+  coord_of = {int(d): idx for idx, d in np.ndenumerate(mesh.devices())}
+  if any(d not in coord_of for g in groups for d in g):
+    return None
+  in_mesh_order = tuple(tuple(sorted(g, key=coord_of.__getitem__)) for g in groups)
+  return group_axes(in_mesh_order, mesh) if in_mesh_order != tuple(map(tuple, groups)) else None
+
+
 def _collective_words(inf, cls: int, layout: Layout) -> Optional[str]:
   """What the per-device program does to a related value that breaks the relation."""
   for op in inf.users.get(cls, ()):
@@ -143,6 +157,9 @@ def _collective_words(inf, cls: int, layout: Layout) -> Optional[str]:
     loc = op.location
     if axes is None and op.attrs.get("gg.renaming") is None:
       groups = op.attrs.get("replica_groups") or op.attrs.get("source_target_pairs")
+      if (reordered := _axes_of_reordered_groups(op, inf.mesh)) is not None:
+        return (f"{name} at {loc} runs over {_axes(reordered)} but lists its ranks in "
+                f"another order than the mesh's, {groups} (shards concatenated out of order)")
       return (f"{name} at {loc} uses replica groups {groups} that match no mesh axes "
               f"of {dict(inf.mesh.axes)} (wrong replica groups)")
     if op.name == "all_reduce" and layout.partial and set(axes) != set(layout.partial):

@@ -56,7 +56,7 @@ def test_names_and_metadata():
                                    "norm_counts_replicas", "grad_not_divided",
                                    "microbatch_skipped", "output_misplaced", "stale_activation",
                                    "wrong_model_chunk", "replicas_summed",
-                                   "wrong_shard_offset", "wrong_normalizer"}
+                                   "wrong_shard_offset", "wrong_normalizer", "wrong_axis"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "tp_vocab", "sp", "dp_tp", "cp", "dp_tp_cp", "dp_take"):
       for style in ("shard_map", "gspmd"):

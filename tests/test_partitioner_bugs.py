@@ -1,5 +1,5 @@
 """GSPMD's seeded bugs (tools/zoo/partitioner_bugs.py): each edit changes the
-one all-reduce or table of tile offsets it names, and the interpreter's run of XLA's per-device module,
+one collective or table of tile offsets it names, and the interpreter's run of XLA's per-device module,
 the ground truth for those bugs, agrees with jax's run of the unedited one."""
 
 import dataclasses
@@ -34,12 +34,33 @@ def test_drop_makes_that_all_reduce_a_copy_keeping_its_source_line():
 
 @pytest.mark.parametrize("nth", [0, 1])
 def test_regroup_replaces_the_groups_in_either_spelling(nth):
-  edit = partitioner_bugs.regroup_all_reduce(nth, ((0, 4), (1, 5), (2, 6), (3, 7)))
+  edit = partitioner_bugs.regroup("all-reduce", nth, ((0, 4), (1, 5), (2, 6), (3, 7)))
   (old, new), = _changed(_TEXT, edit.apply(_TEXT))
   assert old.startswith(f"  %all-reduce{'.1' if nth else ''} = ")
   assert "replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true" in new
   assert new.replace("{{0,4},{1,5},{2,6},{3,7}}", "G") == old.replace(
       "{{0,1,2,3},{4,5,6,7}}" if nth == 0 else "mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", "G")
+
+
+_GATHERS = """  %p = f32[4]{0} parameter(0)
+  %all-gather = f32[8]{0} all-gather(%p), channel_id=1, replica_groups=[4,2]<=[8], dimensions={0}, use_global_device_ids=true
+  %all-reduce = f32[8]{0} all-reduce(%all-gather), channel_id=2, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  %all-gather.1 = f32[16]{0} all-gather(%p), channel_id=3, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}, use_global_device_ids=true"""
+
+
+@pytest.mark.parametrize("nth, line", [(0, 1), (1, 3), (-1, 3)])
+def test_regroup_finds_collectives_of_its_kind_in_the_iota_spelling(nth, line):
+  groups = ((0, 2), (1, 3), (4, 6), (5, 7))
+  edited = partitioner_bugs.regroup("all-gather", nth, groups).apply(_GATHERS)
+  (old, new), = _changed(_GATHERS, edited)
+  assert old == _GATHERS.split("\n")[line]
+  assert "replica_groups={{0,2},{1,3},{4,6},{5,7}}, dimensions={0}" in new
+  assert "<=" not in new
+
+
+def test_regroup_of_a_kind_the_module_lacks_is_an_error():
+  with pytest.raises(ValueError, match="has 0 all-to-alls; no all-to-all 0"):
+    partitioner_bugs.regroup("all-to-all", 0, ((1, 0),)).apply(_GATHERS)
 
 
 _TABLES = """  %c0 = s32[4]{0} constant({0, 1, 0, 1}), metadata={op_name="jit(f)/iota"}
@@ -56,7 +77,7 @@ def test_rotate_moves_each_rank_to_the_next_ranks_offset():
 
 
 @pytest.mark.parametrize("edit", [partitioner_bugs.drop_all_reduce(2),
-                                  partitioner_bugs.regroup_all_reduce(-3, ((0, 1),))])
+                                  partitioner_bugs.regroup("all-reduce", -3, ((0, 1),))])
 def test_an_all_reduce_the_module_lacks_is_an_error(edit):
   with pytest.raises(ValueError, match="no all-reduce"):
     edit.apply(_TEXT)

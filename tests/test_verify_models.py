@@ -72,6 +72,14 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/sp/gspmd/wrong_shard_offset": "starting at 8, 0 along dim 1 at a0 = 0, 1: tile "
                                           "a0+1, another rank's tile?",
     "llama3/cp/gspmd/wrong_shard_offset": "as concat[dim0:a0+1](d@r)",
+    "llama3/cp/gspmd/gather_out_of_order":
+        "runs over 'a0' but lists its ranks in another order than the mesh's, ((3, 2, 1, 0),) "
+        "(shards concatenated out of order)",
+    "llama3/dp_tp_cp/gspmd/gather_wrong_axis":
+        "gathers over 'a1' along dim 1, but dim 1 is split over 'a2' (gathered over the wrong "
+        "mesh axis)",
+    "gpt2/fsdp/gspmd/all_to_all_out_of_order": "lists its ranks in another order than the "
+                                               "mesh's, ((1, 0, 3, 2),)",
     "gpt2/dp_take_grad/gspmd/grad_not_allreduced": "is a partial sum over 'a0' never reduced "
                                                    "(missing all-reduce)",
     "llama3/dp_tp_grad/gspmd/grad_not_allreduced": "is a partial sum over 'a0' never reduced "

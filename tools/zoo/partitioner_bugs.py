@@ -27,8 +27,9 @@ from graphguard_hlo import ir
 
 _ALL_REDUCE = re.compile(r"^(\s*(?:ROOT )?%\S+ = [^=]*?) all-reduce\((%[^,()]+)\), (.*)$")
 _METADATA = re.compile(r"metadata=\{[^{}]*\}")
+# XLA's three spellings of replica groups: listed, a mesh and its axes, an iota.
 _GROUPS = re.compile(r"replica_groups=(\{\{[^=]*?\}\}|\{\}|mesh\[[^\]]*\](?:, device_ids=\([^)]*\))?"
-                     r" \{[^}]*\})")
+                     r" \{[^}]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,18 +67,27 @@ def drop_all_reduce(nth: int) -> Edit:
               lambda text: _edit_nth(text, _all_reduces, nth, "all-reduce", rewrite))
 
 
-def regroup_all_reduce(nth: int, groups: tuple[tuple[int, ...], ...]) -> Edit:
-  """The ``nth`` all-reduce sums over ``groups`` of devices instead of its own
-  (wrong replica groups: another mesh axis)."""
+def _collectives(kind: str) -> Callable[[list[str]], list[int]]:
+  """A finder of the lines of ``kind`` collectives (``all-reduce``,
+  ``all-gather``, ...)."""
+  pattern = re.compile(rf"^\s*(?:ROOT )?%\S+ = [^=]*? {re.escape(kind)}\(")
+  return lambda lines: [i for i, line in enumerate(lines) if pattern.match(line)]
+
+
+def regroup(kind: str, nth: int, groups: tuple[tuple[int, ...], ...]) -> Edit:
+  """The ``nth`` ``kind`` collective (in text order) runs over ``groups`` of
+  devices instead of its own: another mesh axis (wrong replica groups), or
+  its own devices in another order (an all-gather then concatenates the
+  tiles in that order)."""
   text_groups = "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
 
   def rewrite(line: str) -> str:
     line, n = _GROUPS.subn(f"replica_groups={text_groups}", line, count=1)
     if n != 1:
-      raise ValueError(f"all-reduce {nth} has no replica groups to replace: {line}")
+      raise ValueError(f"{kind} {nth} has no replica groups to replace: {line}")
     return line
-  return Edit(f"all-reduce {nth} over {text_groups}",
-              lambda text: _edit_nth(text, _all_reduces, nth, "all-reduce", rewrite))
+  return Edit(f"{kind} {nth} over {text_groups}",
+              lambda text: _edit_nth(text, _collectives(kind), nth, kind, rewrite))
 
 
 _RANK_TABLE = re.compile(r"^(\s*%\S+ = s32\[\d+\]\{0\} constant\(\{)([0-9, ]+)(\}\).*)$")

@@ -2001,8 +2001,24 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                 "add"))
   built.append(_partitioner_bug("llama3", _STRATEGIES["dp_tp"], cfg, False,
                                 "wrong_replica_groups",
-                                partitioner_bugs.regroup_all_reduce(0, dp_groups),
+                                partitioner_bugs.regroup("all-reduce", 0, dp_groups),
                                 "wrong_replica_groups", "add"))
+  # An all-gather's groups replaced: its own ranks in reverse order (keys
+  # concatenated out of order), or the devices of another axis of the same
+  # size ("tp" for "cp" on 2 x 2 x 2); an all-to-all's ranks swapped in
+  # pairs (XLA's reshard of FSDP's position table).  Each is met where the
+  # collective's result is first read.
+  built.append(_partitioner_bug("llama3", _STRATEGIES["cp"], cfg, False, "gather_out_of_order",
+                                partitioner_bugs.regroup("all-gather", 0, ((3, 2, 1, 0),)),
+                                "wrong_permutation", "dot_general"))
+  tp_groups = ((0, 2), (1, 3), (4, 6), (5, 7))  # "tp" of the 2 x 2 x 2 mesh
+  built.append(_partitioner_bug("llama3", _STRATEGIES["dp_tp_cp"], cfg, False,
+                                "gather_wrong_axis",
+                                partitioner_bugs.regroup("all-gather", 0, tp_groups),
+                                "wrong_axis", "dot_general"))
+  built.append(_partitioner_bug("gpt2", FSDP, cfg, False, "all_to_all_out_of_order",
+                                partitioner_bugs.regroup("all-to-all", 0, ((1, 0, 3, 2),)),
+                                "wrong_permutation", "broadcast_in_dim"))
   if grad:
     for model, strategy in (("gpt2", _looked_up(_STRATEGIES["dp"])),
                             ("llama3", _STRATEGIES["dp_tp"])):
