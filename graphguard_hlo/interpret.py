@@ -43,7 +43,12 @@ class Interpreter:
 
   # -- graphs ----------------------------------------------------------------
   def _run_ops(self, graph: ir.Graph, env: Env) -> None:
-    for op in graph.ops:
+    self.run_ops(graph.ops, env)
+
+  def run_ops(self, ops: Sequence[ir.Op], env: Env) -> None:
+    """Runs ``ops``, in order, adding what they compute to ``env`` (a part of
+    a graph, its inputs given)."""
+    for op in ops:
       if any(v.id not in env for v in op.operands):
         continue  # an input is unknown
       try:

@@ -17,6 +17,7 @@ from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.collectives import COLLECTIVES
 from graphguard_hlo.passes.layout import Layout, scales_equal
+from graphguard_hlo.passes.pieces import Pieces, partner_dim
 from graphguard_hlo.passes.sharding import group_axes
 from graphguard_hlo.passes.terms import freeze
 from graphguard_hlo.passes.transfer import ring_shift
@@ -700,6 +701,34 @@ def _masked_lookup_words(inf, table_cls: int) -> Optional[str]:
   return None
 
 
+def _order_words(chunks: Optional[tuple]) -> str:
+  if chunks is None:
+    return "in sequence order (contiguous shards)"
+  n = len(chunks) // 2
+  zigzag = tuple(c for r in range(n) for c in (r, 2 * n - 1 - r))
+  return f"in the order {' '.join(map(str, chunks))}" + (" (zig-zag)" if chunks == zigzag else "")
+
+
+def _chunk_order_words(inf, op: ir.Op) -> Optional[str]:
+  """Two operands that meet along a dim holding its chunks in different
+  orders (chunk_order.py): a zig-zag shard read with a contiguous one."""
+  for k, v in enumerate(op.operands):
+    for r in inf.known_relations(v):
+      for d, chunks in r.layout.order:
+        for j, w in enumerate(op.operands):
+          p = None if j == k else partner_dim(op, k, d, j)
+          if p is None or w.type.rank == 0 or w.id in inf.splats or \
+              Pieces.constant_along(w, p):
+            continue
+          theirs = {dict(x.layout.order).get(p) for x in inf.known_relations(w)}
+          if theirs and chunks not in theirs:
+            other = sorted(theirs, key=lambda c: c is not None)[0]
+            return (f"operand %{v.id} holds the chunks of dim {d} {_order_words(chunks)}, "
+                    f"operand %{w.id} holds them {_order_words(other)}: each rank pairs "
+                    f"rows of different positions (chunk order mismatch)")
+  return None
+
+
 def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   """``pin_words``: ``held_at_different_ranks``'s words, if the caller has them."""
   from graphguard_hlo.passes.inference import Failure
@@ -707,7 +736,8 @@ def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   problems = _operand_problems(inf, op)
   for words in (_ring_words(inf, op), _share_words(inf, op) or _fold_words(inf, op),
                 pin_words or _pin_words(inf, op),
-                _iota_words(inf, op), _indexed_tile_words(inf, op)):
+                _iota_words(inf, op), _indexed_tile_words(inf, op),
+                _chunk_order_words(inf, op)):
     if words:
       problems.append(words)
   counterpart = _counterpart_words(inf, op)

@@ -29,6 +29,7 @@ from graphguard_hlo.errors import InputError
 from graphguard_hlo.gcutil import without_cyclic_gc
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.canonicalize import canonical_local_op
+from graphguard_hlo.passes.chunk_order import ChunkSources, result_order
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change, squeezed_variants
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.dist_egraph import DistEGraph
@@ -208,6 +209,7 @@ class RelationInference:
     self.arith = RankArithmetic(self.mesh)
     recognize_tile_lookups(dist.module, dist.graph, self.deg, self.arith, self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
+    self.chunk_sources = ChunkSources(dist.graph, self.mesh, self.deg.of)
     self.users = self.transfer.users
     self.relations: dict[int, list[Relation]] = {}
     self._transfer_memo: dict[tuple, list[Relation]] = {}
@@ -241,6 +243,9 @@ class RelationInference:
         return
       assumed = False  # ``rel`` is popped first; what follows from it is capped
       known.append(r)
+      if r.layout.order:  # reordered chunks: only data movement and chunk_order read them
+        work.extend(self._transferred(r, r.layout.local_shape(s.shape, self.mesh)))
+        continue
       self.pieces.cut(s, r)
       summed = r.layout.summed_over_pins()
       if summed is not None:
@@ -259,12 +264,18 @@ class RelationInference:
     key = (r.cls, r.layout, tile)
     found = self._transfer_memo.get(key)
     if found is None:
+      # Data movement never reads the sequential tensor, so a transfer holds
+      # of a reordered one alike: applied without the order, which it keeps.
+      order = r.layout.order
+      bare = r.layout.with_(order=()) if order else r.layout
       found = list(dict.fromkeys(
-          Relation(cls, layout, how)
+          Relation(cls, layout.with_(order=order) if order else layout, how)
           for op in self.users.get(r.cls, ())
-          for cls, layout, how in self.transfer.apply(op, r.cls, r.layout, tile)))
-      if self.transfer.rings and set(r.layout.partial) & self.transfer.rings:
+          for cls, layout, how in self.transfer.apply(op, r.cls, bare, tile)))
+      if self.transfer.rings and set(r.layout.partial) & self.transfer.rings and not order:
         found += [Relation(*new) for new in self.transfer.ring_sums(r.cls, r.layout)]
+      found += [Relation(cls, layout, "chunks-reordered")
+                for cls, layout in self.chunk_sources.relations(r.cls, r.layout)]
       self._transfer_memo[key] = found
     return found
 
@@ -294,6 +305,12 @@ class RelationInference:
   def whole_relations(self, s: ir.Value) -> list[Relation]:
     """The relations lemmas read: every tile they speak of is known (rotated
     tiles and a ring's diagonal blocks are; a partly filled buffer is not)."""
+    return [r for r in self.relations.get(s.id, ()) if not r.layout.filled
+            and not r.layout.order]
+
+  def known_relations(self, s: ir.Value) -> list[Relation]:
+    """The whole relations and the reordered ones (chunk_order.py): every
+    tile is known, possibly of the tensor with its chunks reordered."""
     return [r for r in self.relations.get(s.id, ()) if not r.layout.filled]
 
   def describe(self, s: ir.Value) -> list[str]:
@@ -359,7 +376,7 @@ class RelationInference:
       if self.on_progress is not None:
         self.on_progress(self.processed)
       unrelated = [r for r in op.results if r.id not in self.splats
-                   and not self.whole_relations(r) and r.id not in self.deferred
+                   and not self.known_relations(r) and r.id not in self.deferred
                    and not self.pieces.has(r)]
       if unrelated and self.deferred_origin(op.operands) is not None:
         pin_words = held_at_different_ranks(self, op)
@@ -463,6 +480,9 @@ class RelationInference:
           cls = self.local_class(op, combo, step, k)
           if cls is not None:
             self.add_relation(result, Relation(cls, step.layout, step.lemma))
+    if any(r.layout.order for v in op.operands for r in self.relations.get(v.id, ())):
+      for combo in self._operand_combinations(op, self.known_relations):
+        self._step_reordered(op, seq_op, combo)
     if self.transfer.rings:
       self.ring_blocks.apply(op, seq_op)
     if op.name == "concatenate" and not self.whole_relations(op.results[0]):
@@ -502,6 +522,8 @@ class RelationInference:
     A pure function of its key (lemmas never look at either program), so
     every layer of a stack of identical layers derives its steps once; what
     differs per layer, the per-device classes, is the hash-cons lookup after."""
+    if any(l.order for l in layouts):
+      return []  # lemmas read reordered chunks only through chunk_order.py
     key = (op.name, terms.attrs_key(op.attrs), op.operand_types, op.result_type,
            tuple(layouts))
     steps = self._step_memo.get(key)
@@ -606,14 +628,36 @@ class RelationInference:
       self.add_relation(op.results[0], Relation(r.cls, r.layout.scaled(factor),
                                                 f"scale-by-constant({r.how})"))
 
-  def _operand_combinations(self, op: ir.Op):
+  def _step_reordered(self, op: ir.Op, seq_op: SeqOp, combo) -> None:
+    """``op`` on operands some of which are related with reordered chunks
+    (chunk_order.py): the lemmas' steps on the layouts without their order,
+    the order carried to the result, if ``op`` commutes with it."""
+    layouts = [l for _, l in combo]
+    if not any(l is not None and l.order for l in layouts):
+      return
+    order = result_order(op, [None if r == "splat" else l for r, l in combo],
+                         Pieces.constant_along)
+    if order is None:
+      return
+    for step in self._steps(seq_op, [l.with_(order=()) for l in layouts]):
+      if not self._inits_are_identities(op, step):
+        continue
+      cls = self.local_class(op, combo, step)
+      if cls is not None:
+        self.add_relation(op.results[0], Relation(
+            cls, step.layout.with_(order=order), f"reordered-chunks({step.lemma})"))
+
+  def _operand_combinations(self, op: ir.Op, relations_of=None):
+    """Each operand's (relation, layout) choices, combined; ``relations_of``
+    (default ``whole_relations``) gives a value's relations."""
+    relations_of = relations_of or self.whole_relations
     choices = []
     for k, v in enumerate(op.operands):
       if v.id in self.splats:
         choices.append([("splat", None)] + ([("splat", l) for l in self._splat_tilings(v)]
                                              if op.name == "scatter" and k != 1 else []))
       else:
-        rels = self.whole_relations(v)
+        rels = relations_of(v)
         if not rels:
           return
         choices.append([(r, r.layout) for r in rels])

@@ -33,6 +33,14 @@ own tile of a stack (``lemmas.py``).  It reads the per-device program in real
 arithmetic: ``0 * x`` is 0 for the values the other stages compute, which are
 finite.  Summed over its pinned axes it is the partial-sum layout above.
 
+``order = ((k, chunks), ...)`` says dim ``k`` of ``S`` is cut into
+``len(chunks)`` equal chunks put in the order ``chunks`` *before* the rest
+of the layout reads it: the relation is of ``reorder(S)``, not of ``S``.
+Zig-zag context parallelism gives rank ``r`` of ``n`` chunks ``r`` and
+``2n - 1 - r``: ``chunks = (0, 7, 1, 6, 2, 5, 3, 4)`` tiled over the ranks
+(``chunk_order.py`` finds such layouts and carries them).  Ordered layouts
+are *not plain*, and lemmas read them only through ``chunk_order.py``.
+
 A ring of collective-permutes turns tiles: after ``t`` steps of ``r -> r + 1``
 along "cp" rank ``r`` holds tile ``r - t``.  A *rotated axis* names that,
 ``cp+3`` (on 4 ranks): its coordinate at rank ``r`` is ``(r_cp + 3) mod 4``.
@@ -77,6 +85,7 @@ class Layout:
   at: tuple[tuple[str, int], ...] = ()  # sorted (axis, coordinate) pins
   zero_elsewhere: bool = False  # with pins: zeros at every other rank
   filled: tuple = ()          # () or (dim, axis, sorted shifts): tiles known
+  order: tuple = ()           # sorted (dim, chunks): dims reordered before tiling
 
   @staticmethod
   def replicated(rank: int) -> "Layout":
@@ -88,6 +97,8 @@ class Layout:
       object.__setattr__(self, "at", tuple(sorted(self.at)))
     if not self.partial:
       object.__setattr__(self, "partial_kind", "sum")
+    if len(self.order) > 1:
+      object.__setattr__(self, "order", tuple(sorted(self.order)))
 
   # -- queries ---------------------------------------------------------------
   @property
@@ -122,6 +133,10 @@ class Layout:
       others.append(axis)  # the tiles it speaks of are along this axis
     if any(len({axis_base(a) for a in d}) != len(d) for d in self.dims):
       return False
+    if len({k for k, _ in self.order}) != len(self.order) or any(
+        not 0 <= k < self.rank or sorted(chunks) != list(range(len(chunks)))
+        for k, chunks in self.order):
+      return False
     # An axis may tile several dims, as is or turned (the diagonal blocks a
     # ring visits); partial and pinned axes are used nowhere else.
     bases = {axis_base(a) for a in tiling}
@@ -130,7 +145,7 @@ class Layout:
   def is_plain(self) -> bool:
     """Each axis tiles one dim, unturned, and every dim is known: a concat
     over ranks, what collectives, loops and outputs read."""
-    if self.filled:
+    if self.filled or self.order:
       return False
     tiling = [a for d in self.dims for a in d]
     return len(tiling) == len(set(tiling)) and all(axis_base(a) == a for a in tiling)
@@ -191,6 +206,8 @@ class Layout:
     if self.filled:
       k, axis, shifts = self.filled
       expr = f"known[dim{k}: tiles {axis}+{{{','.join(map(str, shifts))}}}]({expr})"
+    for k, chunks in self.order:
+      expr = f"chunks[dim{k}: {' '.join(map(str, chunks))}]({expr})"
     if not self.is_clean():
       expr = f"{self.scale:g} * {expr}"
     return expr
@@ -235,6 +252,19 @@ def tilings_with_local_shape(global_shape: tuple[int, ...], local_shape: tuple[i
       if len(out) >= limit:
         break
   return out
+
+
+def reorder_chunks(x: np.ndarray, dim: int, chunks: tuple[int, ...]) -> np.ndarray:
+  """``x`` with its dim ``dim`` cut into ``len(chunks)`` chunks, put in the
+  order ``chunks`` (the ``order`` of a layout)."""
+  pieces = np.split(np.asarray(x), len(chunks), axis=dim)
+  return np.concatenate([pieces[c] for c in chunks], axis=dim)
+
+
+def restore_chunk_order(x: np.ndarray, dim: int, chunks: tuple[int, ...]) -> np.ndarray:
+  """``reorder_chunks``' inverse."""
+  inverse = tuple(int(i) for i in np.argsort(chunks))
+  return reorder_chunks(x, dim, inverse)
 
 
 def tile_coordinate(axis: str, r: dict[str, int], mesh: Mesh) -> int:
@@ -313,7 +343,10 @@ def assemble(layout: Layout, mesh: Mesh, local_at: dict[tuple[int, ...], np.ndar
     for key in np.ndindex(*counts):
       if blocks[key] is None:
         blocks[key] = unknown
-  return np.block(blocks.tolist()) if layout.rank else blocks[()]
+  whole = np.block(blocks.tolist()) if layout.rank else blocks[()]
+  for k, chunks in layout.order:
+    whole = restore_chunk_order(whole, k, chunks)
+  return whole
 
 
 def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generator | None = None
@@ -324,6 +357,8 @@ def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generato
   sizes = dict(mesh.axes)
   out = {}
   rng = rng or np.random.default_rng(0)
+  for k, chunks in layout.order:
+    value = reorder_chunks(value, k, chunks)
   n_partial = math.prod(sizes[a] for a in layout.partial)
   # One random split of value/scale into n_partial summands, shared by all ranks
   # that hold the same tile.

@@ -63,7 +63,7 @@ class Split:
     return (self.dim, self.axes, self.sizes) == (other.dim, other.axes, other.sizes)
 
 
-def _dim_map(op: ir.Op, k: int, d: int) -> Optional[tuple[int, bool]]:
+def dim_map(op: ir.Op, k: int, d: int) -> Optional[tuple[int, bool]]:
   """Where dim ``d`` of operand ``k`` goes in the result, and whether the op
   sums over it (then the result has no such dim); None: not row by row."""
   name, attrs = op.name, op.attrs
@@ -112,7 +112,7 @@ def _dim_map(op: ir.Op, k: int, d: int) -> Optional[tuple[int, bool]]:
   return None
 
 
-def _partner_dim(op: ir.Op, k: int, d: int, j: int) -> Optional[int]:
+def partner_dim(op: ir.Op, k: int, d: int, j: int) -> Optional[int]:
   """The dim of operand ``j`` that pairs with dim ``d`` of operand ``k``
   (the same dim of an elementwise op, the other side of a dot's batch or
   contracting dim); None: operand ``j`` does not meet it."""
@@ -208,7 +208,7 @@ class Pieces:
     if k is None:
       return
     split = self.splits[op.operands[k].id]
-    mapped = _dim_map(op, k, split.dim)
+    mapped = dim_map(op, k, split.dim)
     if mapped is None:
       return
     e, summed = mapped
@@ -219,7 +219,7 @@ class Pieces:
       if j == k:
         per_operand.append(split.terms)
         continue
-      partner = _partner_dim(op, k, split.dim, j)
+      partner = partner_dim(op, k, split.dim, j)
       other = self.splits.get(v.id)
       if partner is not None and v.type.rank == 0:
         partner = None  # a clamp's scalar bound, a select's scalar flag: every row's
@@ -234,7 +234,7 @@ class Pieces:
                                  for t in split.terms))
       elif partner is None and inf.whole_relations(v) or v.id in inf.splats:
         per_operand.append((v,) * len(split.terms))
-      elif partner is not None and self._constant_along(v, partner):
+      elif partner is not None and self.constant_along(v, partner):
         pieces = tuple(self._broadcast_piece(v, partner, t.shape[split.dim])
                        for t in split.terms)
         if any(p is None for p in pieces):
@@ -269,7 +269,7 @@ class Pieces:
       self.join(op.results[0])
 
   @staticmethod
-  def _constant_along(v: ir.Value, dim: int) -> bool:
+  def constant_along(v: ir.Value, dim: int) -> bool:
     """Is ``v`` a broadcast that does not vary along ``dim`` (a one-hot's
     iota, a mask's rows)?"""
     op = v.producer

@@ -1,0 +1,228 @@
+"""Layouts whose chunks come in another order: zig-zag context parallelism.
+
+Causal attention costs late queries more than early ones, so load-balanced
+context parallelism (Llama 3; Megatron's ``get_batch_on_this_cp_rank``) cuts
+the sequence into ``2n`` chunks and gives rank ``r`` chunks ``r`` and
+``2n - 1 - r``.  No rank's tokens are then a tile of the sequence: they are
+a tile of the sequence with its chunks reordered.  ``Layout.order`` names
+that reordering ``P``: ``S ~ (L, order) of d`` says ``P(S) ~ L of d``.
+
+Three facts carry such relations as far as plain ones go:
+
+* The per-device program's data movement never looks at what the
+  sequential tensor is: a transfer rule sound for every tensor is sound for
+  ``P(S)``.  ``RelationInference._transferred`` applies transfers to the
+  layout without its order and puts the order back on what they give.
+* An op that treats the rows of the reordered dim independently commutes
+  with ``P``: ``f(P(S)) = P(f(S))``.  So the lemmas read the layouts without
+  their order, and the order moves to the dim those rows land in
+  (``pieces.dim_map``).  Every operand meeting that dim must be reordered
+  alike or be constant along it (a broadcast, a splat); a sum or max over
+  the dim does not see the order (``result_order``).
+* The order is found where the per-device program builds it: a
+  concatenate of slices of one value held whole along the dim, at offsets
+  computed from the rank (``ChunkSources``).  Run at every rank on the row
+  numbers of that value, the slices name the chunks each rank holds.
+
+Nothing else reads an ordered layout (slices, gathers or scans along the
+dim, loops, outputs): those ops are not proved.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from graphguard_hlo import ir
+from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords
+from graphguard_hlo.passes.layout import Layout
+from graphguard_hlo.passes.pieces import dim_map, partner_dim
+from graphguard_hlo.passes.rank_arith import broadcast_scalar
+
+# Ops that only move rows of the value they read (its operands ``_DATA``);
+# their other operands are indices or predicates, computed from the rank.
+_DATA = {"concatenate": None, "dynamic_slice": (0,), "slice": (0,), "select": (1, 2),
+         "copy": (0,)}
+
+
+def result_order(op: ir.Op, layouts, constant_along) -> Optional[tuple]:
+  """The order of ``op``'s result when its operands have ``layouts`` (None
+  for a splat), or None if ``op`` does not commute with their orders.
+
+  ``constant_along(v, dim)``: is operand ``v`` the same along ``dim``?  Such
+  an operand may meet a reordered dim without being reordered itself."""
+  if len(op.results) != 1 or op.regions and op.name != "reduce":
+    return None
+  out = {}
+  for k, layout in enumerate(layouts):
+    for d, chunks in (layout.order if layout is not None else ()):
+      mapped = dim_map(op, k, d)
+      if mapped is None:
+        return None
+      e, summed = mapped
+      for j, v in enumerate(op.operands):
+        partner = None if j == k else partner_dim(op, k, d, j)
+        if partner is None or v.type.rank == 0:
+          continue
+        theirs = dict(layouts[j].order if layouts[j] is not None else ())
+        if theirs.get(partner) != chunks and not (
+            layouts[j] is None or partner not in theirs and constant_along(v, partner)):
+          return None
+      if not summed:
+        if out.get(e, chunks) != chunks:
+          return None
+        out[e] = chunks
+  return tuple(sorted(out.items()))
+
+
+class ChunkSources:
+  """The per-device program's reorderings of one value's chunks."""
+
+  def __init__(self, graph: ir.Graph, mesh: ir.Mesh, class_of):
+    self.mesh = mesh
+    self.class_of = class_of
+    self._chunks: dict[int, Optional[tuple]] = {}
+    # The outermost op of each nest: a concatenate of chunks, or a select
+    # over ranks of one (rank_cases.py writes a read at a rank's own row so).
+    inner = {v.id for op in graph.ops if op.name in _DATA for v in op.operands}
+    self._roots = [(moved, op) for op in graph.ops
+                   if op.name in ("concatenate", "select") and op.results[0].id not in inner
+                   and (moved := _moved_value(op)) is not None]
+
+  def relations(self, cls: int, layout: Layout) -> list[tuple[int, Layout]]:
+    """``(class, layout)`` of each reordering of chunks of ``cls``'s value,
+    which relates to a sequential tensor by ``layout``."""
+    out = []
+    for (source, d), op in self._roots:
+      if self.class_of(source) != cls:
+        continue
+      found = self._chunks.get(id(op), ())
+      if found == ():
+        found = self._chunks[id(op)] = _chunk_layout(op, source, d, self.mesh)
+      if found is None or layout.dims[d] or layout.filled or d in dict(layout.order):
+        continue
+      axes, chunks = found
+      if set(axes) & (layout.used_axes() | layout.pinned_axes()):
+        continue
+      dims = tuple(axes if i == d else a for i, a in enumerate(layout.dims))
+      order = layout.order + (((d, chunks),) if chunks != tuple(range(len(chunks))) else ())
+      new = layout.with_(dims=dims, order=order)
+      if new.is_valid():
+        out.append((self.class_of(op.results[0]), new))
+    return out
+
+
+def _moved_value(root: ir.Op) -> Optional[tuple[ir.Value, int]]:
+  """The one value ``root`` moves rows of, through slices, dynamic slices,
+  selects and concatenates, and the one dim they cut; None unless all of it
+  is so and something in it depends on the rank."""
+  sources, cut = set(), set()
+  by_rank = False
+  work = [root]
+  while work:
+    op = work.pop()
+    operand = op.operands[0].shape
+    if op.name == "dynamic_slice":
+      by_rank = True
+      cut |= {i for i, (n, s) in enumerate(zip(op.attrs["slice_sizes"], operand)) if n != s}
+    elif op.name == "slice":
+      if any(s != 1 for s in op.attrs.get("strides") or ()):
+        return None
+      cut |= {i for i, n in enumerate(operand)
+              if (op.attrs["start_indices"][i], op.attrs["limit_indices"][i]) != (0, n)}
+    elif op.name == "concatenate":
+      cut.add(op.attrs["dimension"])
+    elif op.name == "select":
+      by_rank = True
+      if math.prod(broadcast_scalar(op.operands[0]).shape) != 1:
+        return None  # an elementwise predicate: not whole values
+    data = _DATA[op.name]
+    for k, v in enumerate(op.operands):
+      if data is not None and k not in data:
+        continue
+      p = v.producer
+      if p is not None and p.name in _DATA and len(p.results) == 1:
+        work.append(p)
+      else:
+        sources.add(v)
+  if len(sources) != 1 or len(cut) != 1 or not by_rank:
+    return None
+  (source,), (d,) = sources, cut
+  return (source, d) if source.type.rank == root.results[0].type.rank else None
+
+
+def _cone(root: ir.Op, source: ir.Value) -> Optional[list[ir.Op]]:
+  """The ops ``root`` is computed by from ``source``, in order (indices and
+  predicates included); None if any reads another input of the program."""
+  order, state = [], {}
+
+  def visit(op: ir.Op) -> bool:
+    if state.get(id(op)) == "done":
+      return True
+    if op.regions:
+      return False
+    state[id(op)] = "done"
+    for v in op.operands:
+      if v.id == source.id:
+        continue
+      if v.producer is None or not visit(v.producer):
+        return False
+    order.append(op)
+    return True
+
+  return order if visit(root) else None
+
+
+def _chunk_layout(root: ir.Op, source: ir.Value, d: int, mesh: ir.Mesh
+                  ) -> Optional[tuple[tuple[str, ...], tuple]]:
+  """The axes tiling dim ``d`` of ``root``'s result and the chunk order, read
+  off its rows at every rank; None if they are not a layout of reordered
+  chunks."""
+  ops = _cone(root, source)
+  if ops is None:
+    return None
+  shape = source.type.shape
+  # Every element holds its row number (a view: the value is never copied).
+  rows = np.broadcast_to(np.arange(shape[d], dtype=np.int64).reshape(
+      [-1 if i == d else 1 for i in range(len(shape))]), shape)
+  try:
+    coords = mesh_coords(mesh)
+  except Unsupported:
+    return None
+  env = {source.id: [rows] * len(coords)}
+  Interpreter(len(coords)).run_ops(ops, env)
+  held = env.get(root.results[0].id)
+  if held is None:
+    return None
+  at = {}
+  for coord, tile in zip(coords, held):
+    line = np.moveaxis(np.asarray(tile), d, 0).reshape(tile.shape[d], -1)
+    if (line != line[:, :1]).any():
+      return None  # not rows (every other index the same)
+    at[coord] = tuple(int(x) for x in line[:, 0])
+  names = mesh.axis_names
+  axes = tuple(a for i, a in enumerate(names)
+               if any(at[c] != at[c[:i] + (0,) + c[i + 1:]] for c in coords))
+  picked = [names.index(a) for a in axes]
+  tiles = {}
+  for c in coords:
+    key = tuple(c[i] for i in picked)
+    if tiles.setdefault(key, at[c]) != at[c]:
+      return None  # depends on more than the axes
+  held_rows = [r for key in sorted(tiles) for r in tiles[key]]
+  if sorted(held_rows) != list(range(shape[d])):
+    return None
+  size = _chunk_size(held_rows, len(at[coords[0]]))
+  return axes, tuple(held_rows[i] // size for i in range(0, len(held_rows), size))
+
+
+def _chunk_size(rows: list[int], tile: int) -> int:
+  """The largest chunk (dividing a tile) whose every run of ``rows`` is an
+  aligned range."""
+  for size in sorted((n for n in range(1, tile + 1) if tile % n == 0), reverse=True):
+    if all(rows[i] % size == 0 and rows[i:i + size] == list(range(rows[i], rows[i] + size))
+           for i in range(0, len(rows), size)):
+      return size
+  return 1

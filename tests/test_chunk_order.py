@@ -1,0 +1,160 @@
+"""Reordered chunks (passes/chunk_order.py): zig-zag context parallelism's
+rows, carried through ops that treat rows alike; the ops that do not, and
+rows paired with rows of another order, are not proved."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax, shard_map
+from jax.sharding import PartitionSpec as P
+
+from graphguard_hlo import ir
+from graphguard_hlo.api import verify
+from graphguard_hlo.passes.layout import (Layout, assemble, reorder_chunks,
+                                          restore_chunk_order, shard)
+from tools.zoo.cases import mesh_of
+
+MESH = mesh_of((4,), ("cp",))
+X = jnp.zeros((16, 8))
+W = jnp.zeros((8, 8))
+
+
+def _chunks(x, order, axis="cp"):
+  """Rank r's chunks ``order[r]`` (chunk numbers per rank) of x's rows: each
+  offset an arithmetic of the rank (an array constant would be an operand)."""
+  size = x.shape[0] // (len(order) * len(order[0]))
+  r = lax.axis_index(axis)
+  pieces = []
+  for j in range(len(order[0])):
+    chunk = sum(c * (r == k).astype(jnp.int32) for k, c in enumerate(row[j] for row in order))
+    pieces.append(lax.dynamic_slice_in_dim(x, chunk * size, size, 0))
+  return jnp.concatenate(pieces)
+
+
+def _zigzag(x, axis="cp", dim=0):
+  n = lax.axis_size(axis)
+  size = x.shape[dim] // (2 * n)
+  r = lax.axis_index(axis)
+  return jnp.concatenate([lax.dynamic_slice_in_dim(x, r * size, size, dim),
+                          lax.dynamic_slice_in_dim(x, (2 * n - 1 - r) * size, size, dim)], dim)
+
+
+def _agree(seq, dist, *shapes) -> bool:
+  rng = np.random.default_rng(0)
+  args = [rng.standard_normal(a.shape).astype(np.float32) for a in shapes]
+  return np.allclose(jax.jit(seq)(*args), jax.jit(dist)(*args), rtol=1e-5, atol=1e-5)
+
+
+def _loss(x, w):
+  return jnp.sum(jnp.tanh(x @ w) * jnp.exp(x))
+
+
+def test_zigzag_rows_through_rowwise_ops_and_a_sum_are_proved():
+  dist = shard_map(lambda x, w: lax.psum(_loss(_zigzag(x), w), "cp"), mesh=MESH,
+                   in_specs=(P(), P()), out_specs=P())
+  assert _agree(_loss, dist, X, W)
+  result = verify(_loss, dist, X, W)
+  assert result.refines, result
+
+
+@pytest.mark.parametrize("order", [((3,), (2,), (1,), (0,)),          # reversed shards
+                                   ((0, 5), (4, 1), (2, 3), (7, 6))])  # any table
+def test_any_order_of_chunks_is_proved(order):
+  dist = shard_map(lambda x, w: lax.psum(_loss(_chunks(x, order), w), "cp"), mesh=MESH,
+                   in_specs=(P(), P()), out_specs=P())
+  assert _agree(_loss, dist, X, W)
+  result = verify(_loss, dist, X, W)
+  assert result.refines, result
+
+
+def test_zigzag_under_a_batch_split_over_another_axis_is_proved():
+  mesh = mesh_of((2, 4), ("dp", "cp"))
+  x3 = jnp.zeros((2, 16, 8))
+
+  def seq(x, w):
+    return jnp.sum(jnp.tanh(x @ w))
+
+  def local(x, w):
+    return lax.psum(seq(_zigzag(x, dim=1), w), ("dp", "cp"))
+  dist = shard_map(local, mesh=mesh, in_specs=(P("dp", None, None), P()), out_specs=P())
+  assert _agree(seq, dist, x3, W)
+  result = verify(seq, dist, x3, W)
+  assert result.refines, result
+
+
+def test_rows_paired_with_contiguous_rows_are_not_proved():
+  def seq(x, y):
+    return jnp.sum(x * y)
+
+  def local(x, y):
+    mine = lax.dynamic_slice_in_dim(y, lax.axis_index("cp") * 4, 4, 0)
+    return lax.psum(jnp.sum(_zigzag(x) * mine), "cp")
+  dist = shard_map(local, mesh=MESH, in_specs=(P(), P()), out_specs=P())
+  assert not _agree(seq, dist, X, X)
+  result = verify(seq, dist, X, X)
+  assert not result.refines
+  assert result.failure.op_name == "multiply"
+  assert "(zig-zag), operand" in result.failure.diagnosis
+  assert "in sequence order (contiguous shards)" in result.failure.diagnosis
+
+
+def test_a_running_sum_along_reordered_rows_is_not_proved():
+  def seq(x, w):
+    return jnp.sum(jnp.cumsum(x @ w, axis=0) ** 2)
+  dist = shard_map(lambda x, w: lax.psum(seq(_zigzag(x), w), "cp"), mesh=MESH,
+                   in_specs=(P(), P()), out_specs=P())
+  assert not _agree(seq, dist, X, W)
+  assert not verify(seq, dist, X, W).refines
+
+
+def test_reordered_rows_returned_as_they_are_are_not_proved():
+  # The output is the rows in zig-zag order: a permutation of the sequential
+  # output, which no output relation reads.
+  dist = shard_map(lambda x, w: jnp.tanh(_zigzag(x) @ w), mesh=MESH, in_specs=(P(), P()),
+                   out_specs=P("cp", None))
+
+  def seq(x, w):
+    return jnp.tanh(x @ w)
+  assert not _agree(seq, dist, X, W)
+  assert not verify(seq, dist, X, W).refines
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reorder_and_restore_are_inverse(seed):
+  rng = np.random.default_rng(seed)
+  n = int(rng.integers(1, 5)) * 2
+  shape = (3, n * int(rng.integers(1, 4)), 2)
+  x = rng.standard_normal(shape)
+  chunks = tuple(int(c) for c in rng.permutation(n))
+  moved = reorder_chunks(x, 1, chunks)
+  size = shape[1] // n
+  for j, c in enumerate(chunks):
+    np.testing.assert_array_equal(moved[:, j * size:(j + 1) * size], x[:, c * size:(c + 1) * size])
+  np.testing.assert_array_equal(restore_chunk_order(moved, 1, chunks), x)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_reordered_layout_shards_and_assembles_back(seed):
+  rng = np.random.default_rng(seed)
+  mesh = ir.Mesh((("dp", 2), ("cp", 4)))
+  layout = Layout(((), ("cp",), ("dp",)), partial=("dp",) if seed % 2 else (),
+                  order=((1, tuple(int(c) for c in rng.permutation(8))),))
+  if layout.partial:
+    layout = layout.with_(dims=((), ("cp",), ()))
+  assert layout.is_valid() and not layout.is_plain()
+  x = rng.standard_normal((3, 16, 4))
+  np.testing.assert_allclose(assemble(layout, mesh, shard(layout, mesh, x, rng)), x, atol=1e-12)
+  # The order is part of the relation: without it the tiles rebuild another tensor.
+  assert not np.allclose(assemble(layout.with_(order=()), mesh, shard(layout, mesh, x, rng)), x)
+
+
+def test_an_order_that_is_no_permutation_is_invalid():
+  assert not Layout(((), ("cp",)), order=((1, (0, 0, 1, 2)),)).is_valid()
+  assert not Layout(((), ("cp",)), order=((2, (1, 0)),)).is_valid()
+  assert "chunks[dim1: 0 7 1 6 2 5 3 4](concat[dim1:cp](d@r))" == str(
+      Layout(((), ("cp",)), order=((1, (0, 7, 1, 6, 2, 5, 3, 4)),)))
