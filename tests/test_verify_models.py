@@ -72,6 +72,14 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/sp/gspmd/wrong_shard_offset": "starting at 8, 0 along dim 1 at a0 = 0, 1: tile "
                                           "a0+1, another rank's tile?",
     "llama3/cp/gspmd/wrong_shard_offset": "as concat[dim0:a0+1](d@r)",
+    "llama3/cp_zigzag/shard_map/rope_positions_contiguous":
+        "holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), operand %455 holds "
+        "them in sequence order (contiguous shards)",
+    "llama3/cp_zigzag/shard_map/mask_contiguous": "holds them in sequence order (contiguous "
+                                                  "shards): each rank pairs rows of different "
+                                                  "positions (chunk order mismatch)",
+    "llama3/cp_zigzag/shard_map/labels_contiguous": "(zig-zag), operand %445 holds them in "
+                                                    "sequence order",
     "llama3/cp/gspmd/gather_out_of_order":
         "runs over 'a0' but lists its ranks in another order than the mesh's, ((3, 2, 1, 0),) "
         "(shards concatenated out of order)",

@@ -170,6 +170,9 @@ class Parallel:
   attend: Optional[Callable] = None
   # per-token nll [b, s] -> scalar loss
   combine_loss: Callable = jnp.mean
+  # (tokens, labels) as the device is given them -> the ones it runs on:
+  # load-balanced context parallelism picks its chunks of the sequence.
+  local_batch: Callable = lambda tokens, labels: (tokens, labels)
   # (tokens, table as held, cfg) -> embeddings; (logits as held, labels, cfg)
   # -> per-token nll: vocab-parallel versions split the table's rows and the
   # logits' columns (Megatron).
@@ -532,6 +535,7 @@ def loss_fn(model: str, cfg: Config, par: Parallel = SEQUENTIAL,
   loss = LOSSES[model]
 
   def fn(tokens, labels, *params):
+    tokens, labels = par.local_batch(tokens, labels)
     if cfg.compute_dtype != "float32":
       params = tuple(p.astype(cfg.compute_dtype) for p in params)
     return loss(tokens, labels, params, cfg, par).astype(F32)

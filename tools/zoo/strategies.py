@@ -373,6 +373,53 @@ def _cp_par(base=None, loss_axes=("cp",), gather_axis="cp", with_offset=True):
       combine_loss=_pmean_of_mean(loss_axes if len(loss_axes) > 1 else loss_axes[0]))
 
 
+def _zigzag_chunks(x, axis_name, dim=1):
+  """Rank r's chunks r and 2n-1-r of the 2n chunks of ``x``'s ``dim``
+  (load-balanced context parallelism: Megatron's ``get_batch_on_this_cp_rank``,
+  Llama 3's context parallelism): every rank then has early and late
+  queries, so causal attention costs each rank alike."""
+  n = lax.axis_size(axis_name)
+  size = x.shape[dim] // (2 * n)
+  r = lax.axis_index(axis_name)
+  early = lax.dynamic_slice_in_dim(x, r * size, size, dim, allow_negative_indices=False)
+  late = lax.dynamic_slice_in_dim(x, (2 * n - 1 - r) * size, size, dim,
+                                  allow_negative_indices=False)
+  return jnp.concatenate([early, late], dim)
+
+
+def _zigzag_positions(axis_name):
+  """The positions of this rank's zig-zag chunks (RoPE's angles)."""
+  def positions(n):
+    whole = jnp.arange(n * lax.axis_size(axis_name), dtype=jnp.float32)
+    return _zigzag_chunks(whole, axis_name, 0)
+  return positions
+
+
+def _zigzag_causal_mask(axis_name):
+  """The causal mask of this rank's queries against every key, both in
+  zig-zag order (the keys are gathered so): by their positions."""
+  def mask(sq, sk):
+    rows = _zigzag_chunks(jnp.arange(sk, dtype=jnp.int32), axis_name, 0)
+    cols = lax.all_gather(rows, axis_name, tiled=True)
+    return rows[:, None] >= cols[None, :]
+  return mask
+
+
+def _cp_zigzag_par(base=None, loss_axes=("cp",), positions=None, mask=None, labels=True):
+  """``cp`` load-balanced: every rank is given the whole batch and keeps its
+  zig-zag chunks of tokens and labels; positions and mask follow them.  The
+  bugs: ``positions`` or ``mask`` for contiguous shards, labels not
+  reordered (``labels=False``: the rank's contiguous shard)."""
+  def local_batch(tokens, labels_):
+    mine = _zigzag_chunks(labels_, "cp") if labels else lax.dynamic_slice_in_dim(
+        labels_, lax.axis_index("cp") * (labels_.shape[1] // 4), labels_.shape[1] // 4, 1)
+    return _zigzag_chunks(tokens, "cp"), mine
+  return dataclasses.replace(
+      _cp_par(base, loss_axes), local_batch=local_batch,
+      positions=positions or _zigzag_positions("cp"),
+      causal_mask=mask or _zigzag_causal_mask("cp"))
+
+
 def _dp_tp_cp_par():
   return _cp_par(_tp_par(), loss_axes=("dp", "cp"))
 
@@ -759,6 +806,9 @@ DP_TP_VOCAB = _Strategy("dp_tp_vocab", (2, 4), ("dp", "tp"), P("dp", None),
 
 # Context parallelism with keys and values passed round a ring of ppermutes
 # (shard_map only: the ring is the hand-written part; under GSPMD it is ``cp``).
+# Load-balanced (zig-zag) context parallelism: the batch given whole to every
+# rank (GPT-2's learned positions are not reordered: llama3 only).
+CP_ZIGZAG = _Strategy("cp_zigzag", (4,), ("cp",), P(), _cp_param_spec, _cp_zigzag_par)
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
 RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
                            _ring_attention_par)
@@ -1749,6 +1799,21 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # land at other blocks' places; the first op reading the gathered keys is
   # the scores' dot_general (Llama: the kv heads' repeat, a broadcast_in_dim).
   # Forward+backward: the ring gather transposes to a ring reduce-scatter.
+  # Zig-zag context parallelism and its bugs: RoPE at the positions of
+  # contiguous shards (met at RoPE's multiply), the mask of contiguous shards
+  # (at the select applying it to zig-zag scores), labels left contiguous
+  # (where their one-hot meets the log-probabilities).
+  built.append(_shard_map_case("llama3", CP_ZIGZAG, cfg, "ok", CP_ZIGZAG.par()))
+  if grad:
+    built.append(_shard_map_grad_case("llama3", CP_ZIGZAG, cfg))
+  built.append(_shard_map_case("llama3", CP_ZIGZAG, cfg, "rope_positions_contiguous",
+                               _cp_zigzag_par(positions=_sharded_positions("cp")),
+                               "wrong_shard_offset", "multiply"))
+  built.append(_shard_map_case("llama3", CP_ZIGZAG, cfg, "mask_contiguous",
+                               _cp_zigzag_par(mask=_offset_causal_mask("cp")),
+                               "mask_no_offset", "select"))
+  built.append(_shard_map_case("llama3", CP_ZIGZAG, cfg, "labels_contiguous",
+                               _cp_zigzag_par(labels=False), "wrong_shard_offset", "multiply"))
   ring_scan = _scanned(CP_RING)
   for model in MODELS:
     built.append(_shard_map_case(model, CP_RING, cfg, "ok", CP_RING.par()))
