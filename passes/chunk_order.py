@@ -47,6 +47,22 @@ _DATA = {"concatenate": None, "dynamic_slice": (0,), "slice": (0,), "select": (1
          "copy": (0,)}
 
 
+def _row_map(op: ir.Op, k: int, d: int) -> Optional[tuple[Optional[int], bool]]:
+  """``pieces.dim_map``, and a dynamic slice or update that keeps dim ``d``
+  whole (a scan's saved activations, a layer's row of them read back)."""
+  if op.name == "dynamic_slice" and k == 0:
+    return (d, False) if op.attrs["slice_sizes"][d] == op.operands[0].shape[d] else None
+  if op.name == "dynamic_update_slice" and k in (0, 1):
+    return (d, False) if op.operands[1].shape[d] == op.operands[0].shape[d] else None
+  return dim_map(op, k, d)
+
+
+def _row_partner(op: ir.Op, k: int, d: int, j: int) -> Optional[int]:
+  if op.name == "dynamic_update_slice":
+    return d if {k, j} == {0, 1} else None
+  return partner_dim(op, k, d, j)
+
+
 def result_order(op: ir.Op, layouts, constant_along) -> Optional[tuple]:
   """The order of ``op``'s result when its operands have ``layouts`` (None
   for a splat), or None if ``op`` does not commute with their orders.
@@ -58,12 +74,12 @@ def result_order(op: ir.Op, layouts, constant_along) -> Optional[tuple]:
   out = {}
   for k, layout in enumerate(layouts):
     for d, chunks in (layout.order if layout is not None else ()):
-      mapped = dim_map(op, k, d)
+      mapped = _row_map(op, k, d)
       if mapped is None:
         return None
       e, summed = mapped
       for j, v in enumerate(op.operands):
-        partner = None if j == k else partner_dim(op, k, d, j)
+        partner = None if j == k else _row_partner(op, k, d, j)
         if partner is None or v.type.rank == 0:
           continue
         theirs = dict(layouts[j].order if layouts[j] is not None else ())
@@ -111,6 +127,22 @@ class ChunkSources:
       new = layout.with_(dims=dims, order=order)
       if new.is_valid():
         out.append((self.class_of(op.results[0]), new))
+    return out
+
+
+  def reordered(self, layout: Layout, shape: tuple[int, ...]) -> list[Layout]:
+    """``layout`` with a dim reordered as the program reorders chunks
+    elsewhere, wherever it is tiled alike: more layouts of a splat, which is
+    the same in any order (a scan's buffer of saved activations, zeros at
+    first, later holding zig-zag rows)."""
+    out = []
+    for found in set(self._chunks.values()) - {None}:
+      axes, chunks = found
+      if chunks == tuple(range(len(chunks))):
+        continue
+      for e, tiled in enumerate(layout.dims):
+        if tiled == axes and shape[e] % len(chunks) == 0 and e not in dict(layout.order):
+          out.append(layout.with_(order=layout.order + ((e, chunks),)))
     return out
 
 

@@ -302,6 +302,13 @@ class RelationInference:
     partly known)."""
     return [r for r in self.relations.get(s.id, ()) if r.layout.is_plain()]
 
+  def carried_relations(self, s: ir.Value) -> list[Relation]:
+    """The relations a loop carries (loops.py): the plain ones, and those
+    plain but for a reordering of chunks, which no iteration changes (the
+    induction holds of any relation the body re-establishes)."""
+    return [r for r in self.relations.get(s.id, ()) if r.layout.is_plain()
+            or r.layout.order and r.layout.with_(order=()).is_plain()]
+
   def whole_relations(self, s: ir.Value) -> list[Relation]:
     """The relations lemmas read: every tile they speak of is known (rotated
     tiles and a ring's diagonal blocks are; a partly filled buffer is not)."""

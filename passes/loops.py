@@ -85,10 +85,12 @@ def _candidate_matches(inf, op: ir.Op, loop: ir.Op) -> list[CarryMatch] | int:
     if s.id in inf.splats:
       for j, d in enumerate(loop.operands):
         if inf.deg.splat(classes[j]) == inf.splats[s.id] and d.type.dtype == s.type.dtype:
-          options.extend(CarryMatch(k, j, layout) for layout in tilings_with_local_shape(
-              s.shape, d.shape, inf.mesh))
+          for layout in tilings_with_local_shape(s.shape, d.shape, inf.mesh):
+            options.append(CarryMatch(k, j, layout))
+            options.extend(CarryMatch(k, j, reordered)
+                           for reordered in inf.chunk_sources.reordered(layout, s.shape))
     else:
-      for r in inf.plain_relations(s):
+      for r in inf.carried_relations(s):
         options.extend(CarryMatch(k, j, r.layout) for j, c in enumerate(classes) if c == r.cls)
     if not options:
       return k

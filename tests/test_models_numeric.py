@@ -94,6 +94,7 @@ def test_names_and_metadata():
   strategies.get("gpt2/dp_sp_grad/gspmd/ok")
   strategies.get("llama3/cp_zigzag/shard_map/ok")
   strategies.get("llama3/cp_zigzag_grad/shard_map/ok")
+  strategies.get("llama3/cp_zigzag_scan_grad/shard_map/ok")
 
 
 @pytest.mark.parametrize("case", ALL, ids=_ids)

@@ -78,6 +78,8 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/cp_zigzag/shard_map/mask_contiguous": "holds them in sequence order (contiguous "
                                                   "shards): each rank pairs rows of different "
                                                   "positions (chunk order mismatch)",
+    "llama3/cp_zigzag_scan/shard_map/mask_contiguous": "holds them in sequence order "
+                                                       "(contiguous shards)",
     "llama3/cp_zigzag/shard_map/labels_contiguous": "(zig-zag), operand %445 holds them in "
                                                     "sequence order",
     "llama3/cp/gspmd/gather_out_of_order":

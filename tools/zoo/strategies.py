@@ -1803,9 +1803,14 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # contiguous shards (met at RoPE's multiply), the mask of contiguous shards
   # (at the select applying it to zig-zag scores), labels left contiguous
   # (where their one-hot meets the log-probabilities).
-  built.append(_shard_map_case("llama3", CP_ZIGZAG, cfg, "ok", CP_ZIGZAG.par()))
-  if grad:
-    built.append(_shard_map_grad_case("llama3", CP_ZIGZAG, cfg))
+  zigzag_scan = _scanned(CP_ZIGZAG)
+  for strategy in (CP_ZIGZAG, zigzag_scan):
+    built.append(_shard_map_case("llama3", strategy, cfg, "ok", strategy.par()))
+    if grad:
+      built.append(_shard_map_grad_case("llama3", strategy, cfg))
+  built.append(_shard_map_case("llama3", zigzag_scan, cfg, "mask_contiguous",
+                               _cp_zigzag_par(mask=_offset_causal_mask("cp")),
+                               "mask_no_offset", "select"))
   built.append(_shard_map_case("llama3", CP_ZIGZAG, cfg, "rope_positions_contiguous",
                                _cp_zigzag_par(positions=_sharded_positions("cp")),
                                "wrong_shard_offset", "multiply"))
