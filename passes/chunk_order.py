@@ -16,16 +16,19 @@ Three facts carry such relations as far as plain ones go:
 * An op that treats the rows of the reordered dim independently commutes
   with ``P``: ``f(P(S)) = P(f(S))``.  So the lemmas read the layouts without
   their order, and the order moves to the dim those rows land in
-  (``pieces.dim_map``).  Every operand meeting that dim must be reordered
+  (``pieces.dim_map``, and a dynamic slice or update keeping the dim whole).  Every operand meeting that dim must be reordered
   alike or be constant along it (a broadcast, a splat); a sum or max over
   the dim does not see the order (``result_order``).
 * The order is found where the per-device program builds it: a
-  concatenate of slices of one value held whole along the dim, at offsets
-  computed from the rank (``ChunkSources``).  Run at every rank on the row
-  numbers of that value, the slices name the chunks each rank holds.
+  concatenate (or a select over ranks, ``rank_cases.py``'s form of a slice at
+  a rank's own offset) of slices of one value held whole along the dim, at
+  offsets computed from the rank (``ChunkSources``).  Run at every rank on
+  the row numbers of that value, the slices name the chunks each rank holds.
 
-Nothing else reads an ordered layout (slices, gathers or scans along the
-dim, loops, outputs): those ops are not proved.
+Loops carry ordered layouts like plain ones (``loops.py``), and try a splat
+carry in each order found (``ChunkSources.reordered``).  Nothing else reads
+an ordered layout (slices, gathers or cumulative sums along the dim,
+outputs): those ops are not proved.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class ChunkSources:
   def __init__(self, graph: ir.Graph, mesh: ir.Mesh, class_of):
     self.mesh = mesh
     self.class_of = class_of
-    self._chunks: dict[int, Optional[tuple]] = {}
+    self._chunks: dict[int, Optional[tuple]] = {}  # by root: _chunk_layout's
     # The outermost op of each nest: a concatenate of chunks, or a select
     # over ranks of one (rank_cases.py writes a read at a rank's own row so).
     inner = {v.id for op in graph.ops if op.name in _DATA for v in op.operands}
@@ -114,9 +117,9 @@ class ChunkSources:
     for (source, d), op in self._roots:
       if self.class_of(source) != cls:
         continue
-      found = self._chunks.get(id(op), ())
-      if found == ():
-        found = self._chunks[id(op)] = _chunk_layout(op, source, d, self.mesh)
+      if id(op) not in self._chunks:
+        self._chunks[id(op)] = _chunk_layout(op, source, d, self.mesh)
+      found = self._chunks[id(op)]
       if found is None or layout.dims[d] or layout.filled or d in dict(layout.order):
         continue
       axes, chunks = found
@@ -128,7 +131,6 @@ class ChunkSources:
       if new.is_valid():
         out.append((self.class_of(op.results[0]), new))
     return out
-
 
   def reordered(self, layout: Layout, shape: tuple[int, ...]) -> list[Layout]:
     """``layout`` with a dim reordered as the program reorders chunks
@@ -188,14 +190,14 @@ def _moved_value(root: ir.Op) -> Optional[tuple[ir.Value, int]]:
 def _cone(root: ir.Op, source: ir.Value) -> Optional[list[ir.Op]]:
   """The ops ``root`` is computed by from ``source``, in order (indices and
   predicates included); None if any reads another input of the program."""
-  order, state = [], {}
+  order, done = [], set()
 
   def visit(op: ir.Op) -> bool:
-    if state.get(id(op)) == "done":
+    if id(op) in done:
       return True
     if op.regions:
       return False
-    state[id(op)] = "done"
+    done.add(id(op))
     for v in op.operands:
       if v.id == source.id:
         continue

@@ -243,15 +243,14 @@ class RelationInference:
         return
       assumed = False  # ``rel`` is popped first; what follows from it is capped
       known.append(r)
-      if r.layout.order:  # reordered chunks: only data movement and chunk_order read them
-        work.extend(self._transferred(r, r.layout.local_shape(s.shape, self.mesh)))
-        continue
-      self.pieces.cut(s, r)
-      summed = r.layout.summed_over_pins()
-      if summed is not None:
-        work.append(Relation(r.cls, summed, "zero-elsewhere"))
+      plain_rows = not r.layout.order  # reordered chunks: only data movement reads them
+      if plain_rows:
+        self.pieces.cut(s, r)
+        summed = r.layout.summed_over_pins()
+        if summed is not None:
+          work.append(Relation(r.cls, summed, "zero-elsewhere"))
       work.extend(self._transferred(r, r.layout.local_shape(s.shape, self.mesh)))
-      if self.transfer.ring_writes_by_class:
+      if self.transfer.ring_writes_by_class and plain_rows:
         work.extend(self._ring_unions(s, r))
 
   def _transferred(self, r: Relation, tile) -> list[Relation]:
@@ -306,8 +305,7 @@ class RelationInference:
     """The relations a loop carries (loops.py): the plain ones, and those
     plain but for a reordering of chunks, which no iteration changes (the
     induction holds of any relation the body re-establishes)."""
-    return [r for r in self.relations.get(s.id, ()) if r.layout.is_plain()
-            or r.layout.order and r.layout.with_(order=()).is_plain()]
+    return [r for r in self.relations.get(s.id, ()) if r.layout.with_(order=()).is_plain()]
 
   def whole_relations(self, s: ir.Value) -> list[Relation]:
     """The relations lemmas read: every tile they speak of is known (rotated
@@ -639,8 +637,8 @@ class RelationInference:
     """``op`` on operands some of which are related with reordered chunks
     (chunk_order.py): the lemmas' steps on the layouts without their order,
     the order carried to the result, if ``op`` commutes with it."""
-    layouts = [l for _, l in combo]
-    if not any(l is not None and l.order for l in layouts):
+    layouts = [l for _, l in combo]  # a splat's too (_adopt_splat_layouts)
+    if not any(l.order for l in layouts):
       return
     order = result_order(op, [None if r == "splat" else l for r, l in combo],
                          Pieces.constant_along)
