@@ -114,12 +114,6 @@ class Interpreter:
     raise Unsupported("too many iterations")
 
   # -- collectives -----------------------------------------------------------
-  def _groups(self, op: ir.Op) -> list[tuple[int, ...]]:
-    groups = op.attrs.get("replica_groups")
-    if not groups or groups == ((),):
-      return [tuple(range(self.ranks))]
-    return [tuple(int(d) for d in g) for g in groups]
-
   def _collective(self, op: ir.Op, args) -> list[np.ndarray]:
     (xs,) = args
     out: list[Optional[np.ndarray]] = [None] * self.ranks
@@ -130,7 +124,7 @@ class Interpreter:
         out[dst] = xs[src]
       return out
     kind = reducer_kind(op.regions[0]) if op.regions else None
-    for group in self._groups(op):
+    for group in replica_groups(op, self.ranks):
       members = [xs[d] for d in group]
       if op.name == "all_reduce":
         total = _combine(kind, members)
@@ -152,6 +146,14 @@ class Interpreter:
     if any(o is None for o in out):
       raise Unsupported("a rank in no replica group")
     return out
+
+
+def replica_groups(op: ir.Op, ranks: int) -> list[tuple[int, ...]]:
+  """A collective's groups of ranks as its module lists them (none: all ranks)."""
+  groups = op.attrs.get("replica_groups")
+  if not groups or groups == ((),):
+    return [tuple(range(ranks))]
+  return [tuple(int(d) for d in g) for g in groups]
 
 
 def _combine(kind: Optional[str], members: list[np.ndarray]) -> np.ndarray:

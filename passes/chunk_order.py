@@ -187,9 +187,10 @@ def _moved_value(root: ir.Op) -> Optional[tuple[ir.Value, int]]:
   return (source, d) if source.type.rank == root.results[0].type.rank else None
 
 
-def _cone(root: ir.Op, source: ir.Value) -> Optional[list[ir.Op]]:
-  """The ops ``root`` is computed by from ``source``, in order (indices and
-  predicates included); None if any reads another input of the program."""
+def rank_cone(root: ir.Op, source: Optional[ir.Value] = None) -> Optional[list[ir.Op]]:
+  """The ops ``root`` is computed by from ``source`` (if any), the rank and
+  constants, in order (indices and predicates included); None if any reads
+  another input of the program."""
   order, done = [], set()
 
   def visit(op: ir.Op) -> bool:
@@ -199,7 +200,7 @@ def _cone(root: ir.Op, source: ir.Value) -> Optional[list[ir.Op]]:
       return False
     done.add(id(op))
     for v in op.operands:
-      if v.id == source.id:
+      if source is not None and v.id == source.id:
         continue
       if v.producer is None or not visit(v.producer):
         return False
@@ -214,7 +215,7 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, mesh: ir.Mesh
   """The axes tiling dim ``d`` of ``root``'s result and the chunk order, read
   off its rows at every rank; None if they are not a layout of reordered
   chunks."""
-  ops = _cone(root, source)
+  ops = rank_cone(root, source)
   if ops is None:
     return None
   shape = source.type.shape
@@ -236,6 +237,15 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, mesh: ir.Mesh
     if (line != line[:, :1]).any():
       return None  # not rows (every other index the same)
     at[coord] = tuple(int(x) for x in line[:, 0])
+  return chunk_tiling(at, mesh, shape[d])
+
+
+def chunk_tiling(at: dict[tuple[int, ...], tuple[int, ...]], mesh: ir.Mesh, n: int
+                 ) -> Optional[tuple[tuple[str, ...], tuple]]:
+  """The axes tiling a dim of ``n`` rows and the order of its chunks, when
+  the rank at mesh coordinates ``c`` holds the rows ``at[c]``; None unless
+  the ranks' rows are the tiles of a reordering of chunks."""
+  coords = list(at)
   names = mesh.axis_names
   axes = tuple(a for i, a in enumerate(names)
                if any(at[c] != at[c[:i] + (0,) + c[i + 1:]] for c in coords))
@@ -246,7 +256,7 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, mesh: ir.Mesh
     if tiles.setdefault(key, at[c]) != at[c]:
       return None  # depends on more than the axes
   held_rows = [r for key in sorted(tiles) for r in tiles[key]]
-  if sorted(held_rows) != list(range(shape[d])):
+  if sorted(held_rows) != list(range(n)):
     return None
   size = _chunk_size(held_rows, len(at[coords[0]]))
   return axes, tuple(held_rows[i] // size for i in range(0, len(held_rows), size))
