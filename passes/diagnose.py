@@ -792,8 +792,11 @@ def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[La
       problems.append(f"output {i}: {_scale_words(r.layout.scale, inf.mesh)}"
                       f"{_scale_origin_words(inf, s, r, inf.deg.members())}")
     elif declared is not None and r.layout != declared:
+      reordered = r.layout.with_(order=()) == declared
       problems.append(f"output {i} is laid out as {r.layout.describe('out')} but the "
-                      f"distributed module declares {declared.describe('out')}")
+                      f"distributed module declares {declared.describe('out')}"
+                      + (" (its rows' chunks are in another order: put back at the wrong "
+                         "offsets?)" if reordered else ""))
   if not mine:
     elsewhere = [j for j, other in enumerate(dist_outputs) if j != i and any(
         r.cls == inf.deg.of(other) and r.layout.is_clean() and not r.layout.partial

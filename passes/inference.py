@@ -43,6 +43,7 @@ from graphguard_hlo.passes.sums import SumRegrouping
 from graphguard_hlo.passes.stages import stage_joins
 from graphguard_hlo.passes.tile_lookup import recognize_tile_lookups
 from graphguard_hlo.passes.transfer import Transfer
+from graphguard_hlo.passes.write_backs import WriteBacks
 
 MAX_RELATIONS_PER_VALUE = 24
 MAX_COMBINATIONS = 256
@@ -210,6 +211,7 @@ class RelationInference:
     recognize_tile_lookups(dist.module, dist.graph, self.deg, self.arith, self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
     self.chunk_sources = ChunkSources(dist.graph, self.mesh, self.deg.of)
+    self.write_backs = WriteBacks(dist.graph, self.mesh, self.deg.of, self.deg.splat)
     self.users = self.transfer.users
     self.relations: dict[int, list[Relation]] = {}
     self._transfer_memo: dict[tuple, list[Relation]] = {}
@@ -275,6 +277,8 @@ class RelationInference:
         found += [Relation(*new) for new in self.transfer.ring_sums(r.cls, r.layout)]
       found += [Relation(cls, layout, "chunks-reordered")
                 for cls, layout in self.chunk_sources.relations(r.cls, r.layout)]
+      found += [Relation(cls, layout, "rows-written-back")
+                for cls, layout in self.write_backs.relations(r.cls, r.layout, tile)]
       self._transfer_memo[key] = found
     return found
 
