@@ -58,7 +58,8 @@ def test_names_and_metadata():
                                    "norm_counts_replicas", "grad_not_divided",
                                    "microbatch_skipped", "output_misplaced", "stale_activation",
                                    "wrong_model_chunk", "replicas_summed",
-                                   "wrong_shard_offset", "wrong_normalizer", "wrong_axis"}
+                                   "wrong_shard_offset", "wrong_normalizer", "wrong_axis",
+                                   "grad_wrong_scale"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "tp_vocab", "sp", "dp_tp", "cp", "dp_tp_cp", "dp_take"):
       for style in ("shard_map", "gspmd"):
@@ -95,6 +96,8 @@ def test_names_and_metadata():
   strategies.get("llama3/cp_zigzag/shard_map/ok")
   strategies.get("llama3/cp_zigzag_grad/shard_map/ok")
   strategies.get("llama3/cp_zigzag_scan_grad/shard_map/ok")
+  strategies.get("gpt2/cp_zigzag_grad/shard_map/ok")
+  strategies.get("gpt2/cp_zigzag_vjp_grad/shard_map/ok")
 
 
 @pytest.mark.parametrize("case", ALL, ids=_ids)

@@ -82,6 +82,15 @@ _DIAGNOSES: dict[str, str] = {
                                                        "(contiguous shards)",
     "llama3/cp_zigzag/shard_map/labels_contiguous": "(zig-zag), operand %445 holds them in "
                                                     "sequence order",
+    "gpt2/cp_zigzag/shard_map/positions_contiguous":
+        "holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), operand %489 holds "
+        "them in sequence order (contiguous shards)",
+    "gpt2/cp_zigzag_vjp_grad/shard_map/write_back_contiguous":
+        "output 2 is laid out as chunks[dim0: 0 7 1 6 2 5 3 4](replica(out@r)) but the "
+        "distributed module declares replica(out@r) (its rows' chunks are in another order",
+    "gpt2/cp_zigzag_vjp_grad/shard_map/write_back_averaged":
+        "output 2: the distributed value is 0.25 times the sequential one (divided by 4 = |cp| "
+        "once too often: pmean where psum belongs?)",
     "llama3/cp/gspmd/gather_out_of_order":
         "runs over 'a0' but lists its ranks in another order than the mesh's, ((3, 2, 1, 0),) "
         "(shards concatenated out of order)",

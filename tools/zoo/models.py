@@ -173,6 +173,9 @@ class Parallel:
   # (tokens, labels) as the device is given them -> the ones it runs on:
   # load-balanced context parallelism picks its chunks of the sequence.
   local_batch: Callable = lambda tokens, labels: (tokens, labels)
+  # GPT-2's learned positions as held -> the rows of this device's tokens
+  # (load-balanced context parallelism cuts its chunks out of the whole table).
+  position_rows: Callable = lambda wpe: wpe
   # (tokens, table as held, cfg) -> embeddings; (logits as held, labels, cfg)
   # -> per-token nll: vocab-parallel versions split the table's rows and the
   # logits' columns (Megatron).
@@ -391,7 +394,7 @@ def gpt2_parts(cfg: Config, par: Parallel = SEQUENTIAL) -> Parts:
   def embed_in(tokens, p):
     # Token embedding plus learned positions (wpe holds this device's rows:
     # all of them, or its sequence shard).
-    return par.embed_tokens(tokens, p["wte"], cfg) + p["wpe"][None]
+    return par.embed_tokens(tokens, p["wte"], cfg) + par.position_rows(p["wpe"])[None]
 
   def layer(h, w, tables):
     a = par.gather_seq(layernorm(h, w("ln1_g"), w("ln1_b")))

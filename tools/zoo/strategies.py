@@ -387,6 +387,33 @@ def _zigzag_chunks(x, axis_name, dim=1):
   return jnp.concatenate([early, late], dim)
 
 
+def _zigzag_rows_by_hand(axis_name, write_back="zigzag", reduce=lax.psum):
+  """``_zigzag_chunks`` of a replicated table along dim 0 with a hand-written
+  backward (as Megatron writes its index gathers): the rows' gradient written
+  back into place in zeros and summed over the ranks.  The bugs: written
+  back at a contiguous shard's rows (``write_back="contiguous"``), or
+  averaged over the ranks (``reduce=lax.pmean``)."""
+  @jax.custom_vjp
+  def rows(table):
+    return _zigzag_chunks(table, axis_name, 0)
+
+  def forward(table):
+    return rows(table), jnp.zeros_like(table)
+
+  def backward(zeros, g):
+    n, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    size = g.shape[0] // 2
+    if write_back == "contiguous":
+      whole = lax.dynamic_update_slice_in_dim(zeros, g, r * 2 * size, 0)
+    else:
+      whole = lax.dynamic_update_slice_in_dim(zeros, g[:size], r * size, 0)
+      whole = lax.dynamic_update_slice_in_dim(whole, g[size:], (2 * n - 1 - r) * size, 0)
+    return (reduce(whole, axis_name),)
+
+  rows.defvjp(forward, backward)
+  return rows
+
+
 def _zigzag_positions(axis_name):
   """The positions of this rank's zig-zag chunks (RoPE's angles)."""
   def positions(n):
@@ -405,17 +432,20 @@ def _zigzag_causal_mask(axis_name):
   return mask
 
 
-def _cp_zigzag_par(base=None, loss_axes=("cp",), positions=None, mask=None, labels=True):
+def _cp_zigzag_par(base=None, loss_axes=("cp",), positions=None, mask=None, labels=True,
+                   position_rows=None):
   """``cp`` load-balanced: every rank is given the whole batch and keeps its
-  zig-zag chunks of tokens and labels; positions and mask follow them.  The
-  bugs: ``positions`` or ``mask`` for contiguous shards, labels not
-  reordered (``labels=False``: the rank's contiguous shard)."""
+  zig-zag chunks of tokens and labels; positions, mask and GPT-2's learned
+  positions (``position_rows``) follow them.  The bugs: ``positions``,
+  ``mask`` or ``position_rows`` for contiguous shards, labels not reordered
+  (``labels=False``: the rank's contiguous shard)."""
   def local_batch(tokens, labels_):
     mine = _zigzag_chunks(labels_, "cp") if labels else lax.dynamic_slice_in_dim(
         labels_, lax.axis_index("cp") * (labels_.shape[1] // 4), labels_.shape[1] // 4, 1)
     return _zigzag_chunks(tokens, "cp"), mine
   return dataclasses.replace(
       _cp_par(base, loss_axes), local_batch=local_batch,
+      position_rows=position_rows or (lambda wpe: _zigzag_chunks(wpe, "cp", 0)),
       positions=positions or _zigzag_positions("cp"),
       causal_mask=mask or _zigzag_causal_mask("cp"))
 
@@ -806,9 +836,12 @@ DP_TP_VOCAB = _Strategy("dp_tp_vocab", (2, 4), ("dp", "tp"), P("dp", None),
 
 # Context parallelism with keys and values passed round a ring of ppermutes
 # (shard_map only: the ring is the hand-written part; under GSPMD it is ``cp``).
-# Load-balanced (zig-zag) context parallelism: the batch given whole to every
-# rank (GPT-2's learned positions are not reordered: llama3 only).
-CP_ZIGZAG = _Strategy("cp_zigzag", (4,), ("cp",), P(), _cp_param_spec, _cp_zigzag_par)
+# Load-balanced (zig-zag) context parallelism: the batch, and GPT-2's learned
+# positions, given whole to every rank, which cuts its chunks out of them.
+CP_ZIGZAG = _Strategy("cp_zigzag", (4,), ("cp",), P(), lambda model, name: P(), _cp_zigzag_par)
+# The same with the learned positions' cut and its backward written by hand.
+CP_ZIGZAG_VJP = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_vjp", par=lambda: _cp_zigzag_par(
+    position_rows=_zigzag_rows_by_hand("cp")))
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
 RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
                            _ring_attention_par)
@@ -1803,11 +1836,29 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # contiguous shards (met at RoPE's multiply), the mask of contiguous shards
   # (at the select applying it to zig-zag scores), labels left contiguous
   # (where their one-hot meets the log-probabilities).
+  # GPT-2's learned positions are cut into the rank's chunks; their gradient
+  # is written back into place and summed (autodiff's or by hand), and the
+  # bugs: the table's contiguous shard cut (met where it is added to the
+  # zig-zag tokens), the hand-written gradient put back at a contiguous
+  # shard's rows or averaged over the ranks (met at the output).
   zigzag_scan = _scanned(CP_ZIGZAG)
-  for strategy in (CP_ZIGZAG, zigzag_scan):
-    built.append(_shard_map_case("llama3", strategy, cfg, "ok", strategy.par()))
+  for model, strategy in [(m, s) for m in MODELS for s in (CP_ZIGZAG, zigzag_scan)] + [
+      ("gpt2", CP_ZIGZAG_VJP)]:
+    built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
     if grad:
-      built.append(_shard_map_grad_case("llama3", strategy, cfg))
+      built.append(_shard_map_grad_case(model, strategy, cfg))
+  built.append(_shard_map_case("gpt2", CP_ZIGZAG, cfg, "positions_contiguous", _cp_zigzag_par(
+      position_rows=lambda wpe: lax.dynamic_slice_in_dim(
+          wpe, lax.axis_index("cp") * (wpe.shape[0] // 4), wpe.shape[0] // 4, 0)),
+      "wrong_shard_offset", "add"))
+  if grad:
+    for variant, bug, hand_written in (
+        ("write_back_contiguous", "wrong_shard_offset", _zigzag_rows_by_hand("cp", "contiguous")),
+        ("write_back_averaged", "grad_wrong_scale", _zigzag_rows_by_hand("cp", reduce=lax.pmean))):
+      strategy = dataclasses.replace(CP_ZIGZAG_VJP, par=functools.partial(
+          _cp_zigzag_par, position_rows=hand_written))
+      built.append(_shard_map_grad_case("gpt2", strategy, cfg, variant, bug=bug,
+                                        bug_primitive="output"))
   built.append(_shard_map_case("llama3", zigzag_scan, cfg, "mask_contiguous",
                                _cp_zigzag_par(mask=_offset_causal_mask("cp")),
                                "mask_no_offset", "select"))
