@@ -136,12 +136,16 @@ class WriteBacks:
       scalars = self._scalars(op, ranks)
       if scalars is None:
         continue  # offsets or a predicate not computed from the rank alone
-      args = [prov.get(v.id) for v in op.operands]
+      args = [prov.get(v.id) for v in op.operands]  # None: a zero splat, or no data
       try:
-        prov[op.results[0].id] = _all_reduced(op, args[0], ranks) if op.name == "all_reduce" \
-            else [_moved(op, k, [a and a[r] for a in args], scalars[r]) for r in range(ranks)]
+        if op.name == "all_reduce":
+          held = _all_reduced(op, args[0], ranks)
+        else:
+          held = [_moved(op, k, [None if a is None else a[r] for a in args], scalars[r])
+                  for r in range(ranks)]
       except Unsupported:
         continue
+      prov[op.results[0].id] = held
       if op.name == "all_reduce" or any(v.id in summed for v in _data_operands(op)):
         summed.add(op.results[0].id)
     return {op.results[0]: prov[op.results[0].id] for op in self._sourced.get(source.id, ())
