@@ -26,9 +26,13 @@ Three facts carry such relations as far as plain ones go:
   the row numbers of that value, the slices name the chunks each rank holds.
 
 Loops carry ordered layouts like plain ones (``loops.py``), and try a splat
-carry in each order found (``ChunkSources.reordered``).  Nothing else reads
-an ordered layout (slices, gathers or cumulative sums along the dim,
-outputs): those ops are not proved.
+carry in each order found (``ChunkSources.reordered``).  A ring's buffer
+fills and reduce-scatters are data movement too: they read layouts without
+their order and keep it, and a buffer's tiles join only if all are in one
+order.  Rows written back into place and summed (``write_backs.py``) read
+the order to name each row.  Nothing else reads an ordered layout (slices,
+gathers or cumulative sums along the dim, outputs): those ops are not
+proved.
 """
 
 from __future__ import annotations

@@ -252,7 +252,7 @@ class RelationInference:
         if summed is not None:
           work.append(Relation(r.cls, summed, "zero-elsewhere"))
       work.extend(self._transferred(r, r.layout.local_shape(s.shape, self.mesh)))
-      if self.transfer.ring_writes_by_class and plain_rows:
+      if self.transfer.ring_writes_by_class:
         work.extend(self._ring_unions(s, r))
 
   def _transferred(self, r: Relation, tile) -> list[Relation]:
@@ -273,8 +273,9 @@ class RelationInference:
           Relation(cls, layout.with_(order=order) if order else layout, how)
           for op in self.users.get(r.cls, ())
           for cls, layout, how in self.transfer.apply(op, r.cls, bare, tile)))
-      if self.transfer.rings and set(r.layout.partial) & self.transfer.rings and not order:
-        found += [Relation(*new) for new in self.transfer.ring_sums(r.cls, r.layout)]
+      if self.transfer.rings and set(r.layout.partial) & self.transfer.rings:
+        found += [Relation(cls, layout.with_(order=order) if order else layout, how)
+                  for cls, layout, how in self.transfer.ring_sums(r.cls, bare)]
       found += [Relation(cls, layout, "chunks-reordered")
                 for cls, layout in self.chunk_sources.relations(r.cls, r.layout)]
       found += [Relation(cls, layout, "rows-written-back")
@@ -284,20 +285,26 @@ class RelationInference:
 
   def _ring_unions(self, s: ir.Value, r: Relation) -> list[Relation]:
     """A ring writing tiles of ``s`` into a buffer: the buffer's known tiles
-    and the written one, once both are related to ``s`` (transfer.fill_union)."""
+    and the written one, once both are related to ``s`` (transfer.fill_union).
+    Both may be of ``s`` with its chunks reordered alike: writing tiles where
+    they belong is data movement, which holds of any tensor."""
     out = []
+    order = r.layout.order
     for op in self.transfer.ring_writes_by_class.get(r.cls, ()):
       base, update = (self.deg.of(v) for v in op.operands[:2])
       for other in self.relations.get(s.id, ()):
+        if other.layout.order != order:
+          continue
         if r.cls == base and other.cls == update:
           pair = (r.layout, other.layout)
         elif r.cls == update and other.cls == base:
           pair = (other.layout, r.layout)
         else:
           continue
-        union = self.transfer.fill_union(op, *pair)
+        union = self.transfer.fill_union(op, *(l.with_(order=()) for l in pair))
         if union is not None:
-          out.append(Relation(self.deg.of(op.results[0]), union, "ring-buffer-fill"))
+          out.append(Relation(self.deg.of(op.results[0]), union.with_(order=order),
+                              "ring-buffer-fill"))
     return out
 
   def plain_relations(self, s: ir.Value) -> list[Relation]:

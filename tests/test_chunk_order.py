@@ -124,6 +124,47 @@ def test_reordered_rows_returned_as_they_are_are_not_proved():
   assert not verify(seq, dist, X, W).refines
 
 
+def _ring_gathered(own, passed, axis="cp"):
+  """A ring gather's buffer: ``own`` written at the rank's place, then the
+  blocks of ``passed`` received round the ring at theirs."""
+  n, r = lax.axis_size(axis), lax.axis_index(axis)
+  size = own.shape[0]
+  buf = lax.dynamic_update_slice_in_dim(jnp.zeros((n * size,) + own.shape[1:]), own, r * size, 0)
+  block = passed
+  for t in range(1, n):
+    block = lax.ppermute(block, axis, [(i, (i + 1) % n) for i in range(n)])
+    buf = lax.dynamic_update_slice_in_dim(buf, block, ((r - t) % n) * size, 0)
+  return buf
+
+
+def _scores(x, w):
+  return jnp.tanh(x @ w) @ jnp.tanh(x @ w).T
+
+
+def test_zigzag_rows_gathered_round_a_ring_are_proved():
+  def local(x, w):
+    q = _zigzag(x)
+    return lax.psum(jnp.sum(jnp.tanh(q @ w) @ _ring_gathered(jnp.tanh(q @ w), jnp.tanh(q @ w)).T),
+                    "cp")
+  dist = shard_map(local, mesh=MESH, in_specs=(P(), P()), out_specs=P())
+  seq = lambda x, w: jnp.sum(_scores(x, w))
+  assert _agree(seq, dist, X, W)
+  assert verify(seq, dist, X, W).refines
+
+
+def test_a_ring_buffer_of_rows_in_two_orders_is_not_proved():
+  # The rank's own block in contiguous order, the blocks passed round in
+  # zig-zag order: no order holds of the whole buffer.
+  def local(x, w):
+    mine = lax.dynamic_slice_in_dim(x, lax.axis_index("cp") * 4, 4, 0)
+    keys = _ring_gathered(jnp.tanh(mine @ w), jnp.tanh(_zigzag(x) @ w))
+    return lax.psum(jnp.sum(jnp.tanh(_zigzag(x) @ w) @ keys.T), "cp")
+  dist = shard_map(local, mesh=MESH, in_specs=(P(), P()), out_specs=P())
+  seq = lambda x, w: jnp.sum(_scores(x, w))
+  assert not _agree(seq, dist, X, W)
+  assert not verify(seq, dist, X, W).refines
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_reorder_and_restore_are_inverse(seed):
   rng = np.random.default_rng(seed)
