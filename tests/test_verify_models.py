@@ -149,6 +149,7 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/cp_ring/shard_map/wrong_permutation": "ring turning the wrong way",
     "gpt2/cp_ring_fori/shard_map/wrong_permutation": "ring turning the wrong way",
     "llama3/cp_ring/shard_map/wrong_permutation": "ring turning the wrong way",
+    "gpt2/cp_zigzag_ring/shard_map/wrong_permutation": "ring turning the wrong way",
     "gpt2/ring_attention/shard_map/wrong_permutation": "a ring turning the wrong way",
     "llama3/ring_attention/shard_map/wrong_permutation": "a ring turning the wrong way",
     "llama3/ring_attention_fori/shard_map/wrong_permutation": "a ring turning the wrong way",

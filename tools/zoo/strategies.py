@@ -450,6 +450,13 @@ def _cp_zigzag_par(base=None, loss_axes=("cp",), positions=None, mask=None, labe
       causal_mask=mask or _zigzag_causal_mask("cp"))
 
 
+def _zigzag_ring_par(shift=1):
+  """``cp_zigzag`` with keys and values passed round a ring instead of
+  all-gathered (Megatron's context parallelism: load-balanced chunks, a ring
+  of k/v blocks); each block lands at its rank's place, in zig-zag order."""
+  return dataclasses.replace(_cp_zigzag_par(), gather_kv=_ring_gather_seq("cp", shift))
+
+
 def _dp_tp_cp_par():
   return _cp_par(_tp_par(), loss_axes=("dp", "cp"))
 
@@ -843,6 +850,7 @@ CP_ZIGZAG = _Strategy("cp_zigzag", (4,), ("cp",), P(), lambda model, name: P(), 
 CP_ZIGZAG_VJP = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_vjp", par=lambda: _cp_zigzag_par(
     position_rows=_zigzag_rows_by_hand("cp")))
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
+CP_ZIGZAG_RING = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_ring", par=_zigzag_ring_par)
 RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
                            _ring_attention_par)
 RING_ATTENTION_VJP = _Strategy("ring_attention_vjp", (4,), ("cp",), P(None, "cp"),
@@ -1870,6 +1878,14 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                "mask_no_offset", "select"))
   built.append(_shard_map_case("llama3", CP_ZIGZAG, cfg, "labels_contiguous",
                                _cp_zigzag_par(labels=False), "wrong_shard_offset", "multiply"))
+  # Zig-zag chunks with the ring: each block written at its rank's place, the
+  # ring's reduce-scatter backward; the ring turning the wrong way.
+  for model in MODELS:
+    built.append(_shard_map_case(model, CP_ZIGZAG_RING, cfg, "ok", CP_ZIGZAG_RING.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, CP_ZIGZAG_RING, cfg))
+  built.append(_shard_map_case("gpt2", CP_ZIGZAG_RING, cfg, "wrong_permutation",
+                               _zigzag_ring_par(shift=-1), "wrong_permutation", "dot_general"))
   ring_scan = _scanned(CP_RING)
   for model in MODELS:
     built.append(_shard_map_case(model, CP_RING, cfg, "ok", CP_RING.par()))
