@@ -24,6 +24,9 @@ Three facts carry such relations as far as plain ones go:
   a rank's own offset) of slices of one value held whole along the dim, at
   offsets computed from the rank (``ChunkSources``).  Run at every rank on
   the row numbers of that value, the slices name the chunks each rank holds.
+  Chunks taken by index (reshaped into chunks, gathered at indices computed
+  from the rank, reshaped back) are run on every element's own index
+  instead: a gather could move other dims' elements too.
 
 Loops carry ordered layouts like plain ones (``loops.py``), and try a splat
 carry in each order found (``ChunkSources.reordered``).  A ring's buffer
@@ -47,11 +50,20 @@ from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.pieces import dim_map, partner_dim
 from graphguard_hlo.passes.rank_arith import broadcast_scalar
+from graphguard_hlo.passes.terms import splat_value
 
 # Ops that only move rows of the value they read (its operands ``_DATA``);
 # their other operands are indices or predicates, computed from the rank.
 _DATA = {"concatenate": None, "dynamic_slice": (0,), "slice": (0,), "select": (1, 2),
          "copy": (0,)}
+# ... and those that may also move elements of other dims (a dim viewed as
+# chunks, chunks taken by index: Megatron's index_select), whose probe
+# follows every element, not only rows.
+_REGROUP = {"reshape": (0,), "gather": (0,)}
+_MOVES = {**_DATA, **_REGROUP}
+# Probes that follow every element copy the value's index: at most this many
+# (exact in float32).
+MAX_ELEMENTS_FOLLOWED = 1 << 22
 
 
 def _row_map(op: ir.Op, k: int, d: int) -> Optional[tuple[Optional[int], bool]]:
@@ -107,22 +119,24 @@ class ChunkSources:
     self.mesh = mesh
     self.class_of = class_of
     self._chunks: dict[int, Optional[tuple]] = {}  # by root: _chunk_layout's
-    # The outermost op of each nest: a concatenate of chunks, or a select
-    # over ranks of one (rank_cases.py writes a read at a rank's own row so).
+    # The outermost op of each nest: a concatenate of chunks, a select over
+    # ranks of one (rank_cases.py writes a read at a rank's own row so), or
+    # the reshape back of chunks taken by index.
     inner = {v.id for op in graph.ops if op.name in _DATA for v in op.operands}
     self._roots = [(moved, op) for op in graph.ops
-                   if op.name in ("concatenate", "select") and op.results[0].id not in inner
+                   if (op.name in ("concatenate", "select") and op.results[0].id not in inner
+                       or _reshapes_taken_chunks(op))
                    and (moved := _moved_value(op)) is not None]
 
   def relations(self, cls: int, layout: Layout) -> list[tuple[int, Layout]]:
     """``(class, layout)`` of each reordering of chunks of ``cls``'s value,
     which relates to a sequential tensor by ``layout``."""
     out = []
-    for (source, d), op in self._roots:
+    for (source, d, every_element), op in self._roots:
       if self.class_of(source) != cls:
         continue
       if id(op) not in self._chunks:
-        self._chunks[id(op)] = _chunk_layout(op, source, d, self.mesh)
+        self._chunks[id(op)] = _chunk_layout(op, source, d, every_element, self.mesh)
       found = self._chunks[id(op)]
       if found is None or layout.dims[d] or layout.filled or d in dict(layout.order):
         continue
@@ -152,17 +166,39 @@ class ChunkSources:
     return out
 
 
-def _moved_value(root: ir.Op) -> Optional[tuple[ir.Value, int]]:
+def _reshapes_taken_chunks(op: ir.Op) -> bool:
+  """Is ``op`` a reshape of a gather's result (through its bounds mask)?"""
+  p = op.operands[0].producer if op.name == "reshape" else None
+  if p is not None and p.name == "select":
+    taken = [v for v in p.operands[1:] if splat_value(v) is None]
+    p = taken[0].producer if len(taken) == 1 else None
+  return p is not None and p.name == "gather"
+
+
+def _moved_value(root: ir.Op) -> Optional[tuple[ir.Value, int, bool]]:
   """The one value ``root`` moves rows of, through slices, dynamic slices,
-  selects and concatenates, and the one dim they cut; None unless all of it
-  is so and something in it depends on the rank."""
+  selects and concatenates (or reshapes and gathers), the one dim they cut,
+  and whether the probe must follow every element (reshapes and gathers
+  could move other dims' elements too); None unless all of it is so and
+  something in it depends on the rank."""
   sources, cut = set(), set()
-  by_rank = False
+  by_rank = regrouped = masked = False
   work = [root]
+
+  def read(v: ir.Value) -> None:
+    p = v.producer
+    if p is not None and p.name in _MOVES and len(p.results) == 1:
+      work.append(p)
+    else:
+      sources.add(v)
+
   while work:
     op = work.pop()
     operand = op.operands[0].shape
-    if op.name == "dynamic_slice":
+    if op.name in _REGROUP:
+      regrouped = True
+      by_rank |= op.name == "gather"
+    elif op.name == "dynamic_slice":
       by_rank = True
       cut |= {i for i, (n, s) in enumerate(zip(op.attrs["slice_sizes"], operand)) if n != s}
     elif op.name == "slice":
@@ -175,20 +211,30 @@ def _moved_value(root: ir.Op) -> Optional[tuple[ir.Value, int]]:
     elif op.name == "select":
       by_rank = True
       if math.prod(broadcast_scalar(op.operands[0]).shape) != 1:
-        return None  # an elementwise predicate: not whole values
-    data = _DATA[op.name]
-    for k, v in enumerate(op.operands):
-      if data is not None and k not in data:
+        # An elementwise predicate: only a gather's bounds mask, choosing
+        # between taken elements and a fill the probe must never see.
+        fills = [k for k in (1, 2) if splat_value(op.operands[k]) is not None]
+        if len(fills) != 1:
+          return None
+        masked = True
+        read(op.operands[3 - fills[0]])
         continue
-      p = v.producer
-      if p is not None and p.name in _DATA and len(p.results) == 1:
-        work.append(p)
-      else:
-        sources.add(v)
-  if len(sources) != 1 or len(cut) != 1 or not by_rank:
+    data = _MOVES[op.name]
+    for k, v in enumerate(op.operands):
+      if data is None or k in data:
+        read(v)
+  if len(sources) != 1 or not by_rank or masked and not regrouped:
     return None
-  (source,), (d,) = sources, cut
-  return (source, d) if source.type.rank == root.results[0].type.rank else None
+  (source,) = sources
+  if source.type.rank != root.results[0].type.rank:
+    return None
+  if regrouped:  # the dim whose size changed, the others whole
+    cut = {i for i, (a, b) in enumerate(zip(source.shape, root.results[0].shape)) if a != b}
+    if math.prod(source.shape) > MAX_ELEMENTS_FOLLOWED:
+      return None
+  if len(cut) != 1:
+    return None
+  return source, cut.pop(), regrouped
 
 
 def rank_cone(root: ir.Op, source: Optional[ir.Value] = None) -> Optional[list[ir.Op]]:
@@ -214,18 +260,25 @@ def rank_cone(root: ir.Op, source: Optional[ir.Value] = None) -> Optional[list[i
   return order if visit(root) else None
 
 
-def _chunk_layout(root: ir.Op, source: ir.Value, d: int, mesh: ir.Mesh
+def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, mesh: ir.Mesh
                   ) -> Optional[tuple[tuple[str, ...], tuple]]:
   """The axes tiling dim ``d`` of ``root``'s result and the chunk order, read
   off its rows at every rank; None if they are not a layout of reordered
-  chunks."""
+  chunks.  ``every_element``: the ops may move other dims' elements too, so
+  each element holds its own index, and every element must land at its own
+  place off dim ``d``."""
   ops = rank_cone(root, source)
   if ops is None:
     return None
   shape = source.type.shape
-  # Every element holds its row number (a view: the value is never copied).
-  rows = np.broadcast_to(np.arange(shape[d], dtype=np.int64).reshape(
-      [-1 if i == d else 1 for i in range(len(shape))]), shape)
+  if every_element:  # 1 + the element's flat index: a fill (0, NaN, ...) is none
+    if any(r.type.dtype.startswith(("bf", "f8", "f16")) for op in ops for r in op.results):
+      return None  # indices held in these floats are not exact
+    rows = np.arange(1, math.prod(shape) + 1, dtype=np.int64).reshape(shape)
+  else:
+    # Every element holds its row number (a view: the value is never copied).
+    rows = np.broadcast_to(np.arange(shape[d], dtype=np.int64).reshape(
+        [-1 if i == d else 1 for i in range(len(shape))]), shape)
   try:
     coords = mesh_coords(mesh)
   except Unsupported:
@@ -237,7 +290,15 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, mesh: ir.Mesh
     return None
   at = {}
   for coord, tile in zip(coords, held):
-    line = np.moveaxis(np.asarray(tile), d, 0).reshape(tile.shape[d], -1)
+    tile = np.asarray(tile)
+    if every_element:
+      if not np.isfinite(tile).all() or ((tile < 1) | (tile > math.prod(shape))).any():
+        return None  # a fill, not an element of the value
+      index = np.unravel_index(tile.astype(np.int64) - 1, shape)
+      if any((index[i] != np.indices(tile.shape)[i]).any() for i in range(len(shape)) if i != d):
+        return None  # an element off its place along another dim
+      tile = index[d]
+    line = np.moveaxis(tile, d, 0).reshape(tile.shape[d], -1)
     if (line != line[:, :1]).any():
       return None  # not rows (every other index the same)
     at[coord] = tuple(int(x) for x in line[:, 0])

@@ -124,6 +124,45 @@ def test_reordered_rows_returned_as_they_are_are_not_proved():
   assert not verify(seq, dist, X, W).refines
 
 
+def _taken(x, chunks_of_rank, axis="cp", roll_columns=False):
+  """Megatron's index_select form: x's rows viewed as 8 chunks, the rank's
+  taken by index.  ``roll_columns``: the columns also rolled by the rank
+  (a gather moving another dim's elements)."""
+  r = lax.axis_index(axis)
+  chunks = x.reshape((8, x.shape[0] // 8) + x.shape[1:])
+  mine = jnp.take(chunks, jnp.stack(chunks_of_rank(r)), axis=0)
+  if roll_columns:
+    mine = jnp.take(mine, (jnp.arange(x.shape[1]) + r) % x.shape[1], axis=2)
+  return mine.reshape((-1,) + x.shape[1:])
+
+
+def _zigzag_indices(r):
+  return [r, 7 - r]
+
+
+def test_chunks_taken_by_index_are_proved():
+  dist = shard_map(lambda x, w: lax.psum(_loss(_taken(x, _zigzag_indices), w), "cp"),
+                   mesh=MESH, in_specs=(P(), P()), out_specs=P())
+  assert _agree(_loss, dist, X, W)
+  result = verify(_loss, dist, X, W)
+  assert result.refines, result
+
+
+@pytest.mark.parametrize("bug", ["roll_columns", "fill"])
+def test_chunks_taken_with_other_elements_moved_or_filled_are_not_proved(bug):
+  # The rows are the zig-zag chunks either way; but the columns move with
+  # the rank, or rank 0 takes index 8, past the end (jnp.take fills it).
+  def seq(x, w):
+    return jnp.sum(jnp.tanh(x) * w[0])
+
+  indices = (lambda r: [r + 1, 8 - r]) if bug == "fill" else _zigzag_indices
+  dist = shard_map(lambda x, w: lax.psum(
+      seq(_taken(x, indices, roll_columns=bug == "roll_columns"), w), "cp"),
+      mesh=MESH, in_specs=(P(), P()), out_specs=P())
+  assert not _agree(seq, dist, X, W)
+  assert not verify(seq, dist, X, W).refines
+
+
 def _ring_gathered(own, passed, axis="cp"):
   """A ring gather's buffer: ``own`` written at the rank's place, then the
   blocks of ``passed`` received round the ring at theirs."""
