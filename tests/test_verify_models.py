@@ -82,6 +82,9 @@ _DIAGNOSES: dict[str, str] = {
                                                        "(contiguous shards)",
     "llama3/cp_zigzag/shard_map/labels_contiguous": "(zig-zag), operand %445 holds them in "
                                                     "sequence order",
+    "llama3/cp_zigzag_take/shard_map/rope_positions_contiguous":
+        "holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), operand %455 holds "
+        "them in sequence order (contiguous shards)",
     "gpt2/cp_zigzag/shard_map/positions_contiguous":
         "holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), operand %489 holds "
         "them in sequence order (contiguous shards)",

@@ -387,6 +387,17 @@ def _zigzag_chunks(x, axis_name, dim=1):
   return jnp.concatenate([early, late], dim)
 
 
+def _zigzag_chunks_by_index(x, axis_name, dim=1):
+  """``_zigzag_chunks`` as Megatron's ``get_batch_on_this_cp_rank`` writes it:
+  the dim viewed as ``2n`` chunks, the rank's two taken by index (a gather
+  at indices computed from the rank)."""
+  n, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
+  shape = x.shape
+  chunks = x.reshape(shape[:dim] + (2 * n, shape[dim] // (2 * n)) + shape[dim + 1:])
+  mine = jnp.take(chunks, jnp.stack([r, 2 * n - 1 - r]), axis=dim)
+  return mine.reshape(shape[:dim] + (-1,) + shape[dim + 1:])
+
+
 def _zigzag_rows_by_hand(axis_name, write_back="zigzag", reduce=lax.psum):
   """``_zigzag_chunks`` of a replicated table along dim 0 with a hand-written
   backward (as Megatron writes its index gathers): the rows' gradient written
@@ -414,40 +425,41 @@ def _zigzag_rows_by_hand(axis_name, write_back="zigzag", reduce=lax.psum):
   return rows
 
 
-def _zigzag_positions(axis_name):
+def _zigzag_positions(axis_name, cut=_zigzag_chunks):
   """The positions of this rank's zig-zag chunks (RoPE's angles)."""
   def positions(n):
     whole = jnp.arange(n * lax.axis_size(axis_name), dtype=jnp.float32)
-    return _zigzag_chunks(whole, axis_name, 0)
+    return cut(whole, axis_name, 0)
   return positions
 
 
-def _zigzag_causal_mask(axis_name):
+def _zigzag_causal_mask(axis_name, cut=_zigzag_chunks):
   """The causal mask of this rank's queries against every key, both in
   zig-zag order (the keys are gathered so): by their positions."""
   def mask(sq, sk):
-    rows = _zigzag_chunks(jnp.arange(sk, dtype=jnp.int32), axis_name, 0)
+    rows = cut(jnp.arange(sk, dtype=jnp.int32), axis_name, 0)
     cols = lax.all_gather(rows, axis_name, tiled=True)
     return rows[:, None] >= cols[None, :]
   return mask
 
 
 def _cp_zigzag_par(base=None, loss_axes=("cp",), positions=None, mask=None, labels=True,
-                   position_rows=None):
+                   position_rows=None, cut=_zigzag_chunks):
   """``cp`` load-balanced: every rank is given the whole batch and keeps its
-  zig-zag chunks of tokens and labels; positions, mask and GPT-2's learned
-  positions (``position_rows``) follow them.  The bugs: ``positions``,
-  ``mask`` or ``position_rows`` for contiguous shards, labels not reordered
-  (``labels=False``: the rank's contiguous shard)."""
+  zig-zag chunks of tokens and labels (``cut``: by slices, or by index);
+  positions, mask and GPT-2's learned positions (``position_rows``) follow
+  them.  The bugs: ``positions``, ``mask`` or ``position_rows`` for
+  contiguous shards, labels not reordered (``labels=False``: the rank's
+  contiguous shard)."""
   def local_batch(tokens, labels_):
-    mine = _zigzag_chunks(labels_, "cp") if labels else lax.dynamic_slice_in_dim(
+    mine = cut(labels_, "cp") if labels else lax.dynamic_slice_in_dim(
         labels_, lax.axis_index("cp") * (labels_.shape[1] // 4), labels_.shape[1] // 4, 1)
-    return _zigzag_chunks(tokens, "cp"), mine
+    return cut(tokens, "cp"), mine
   return dataclasses.replace(
       _cp_par(base, loss_axes), local_batch=local_batch,
-      position_rows=position_rows or (lambda wpe: _zigzag_chunks(wpe, "cp", 0)),
-      positions=positions or _zigzag_positions("cp"),
-      causal_mask=mask or _zigzag_causal_mask("cp"))
+      position_rows=position_rows or (lambda wpe: cut(wpe, "cp", 0)),
+      positions=positions or _zigzag_positions("cp", cut),
+      causal_mask=mask or _zigzag_causal_mask("cp", cut))
 
 
 def _zigzag_ring_par(shift=1):
@@ -851,6 +863,9 @@ CP_ZIGZAG_VJP = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_vjp", par=lambda:
     position_rows=_zigzag_rows_by_hand("cp")))
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
 CP_ZIGZAG_RING = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_ring", par=_zigzag_ring_par)
+# The chunks taken by index, as Megatron writes it.
+CP_ZIGZAG_TAKE = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_take", par=functools.partial(
+    _cp_zigzag_par, cut=_zigzag_chunks_by_index))
 RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
                            _ring_attention_par)
 RING_ATTENTION_VJP = _Strategy("ring_attention_vjp", (4,), ("cp",), P(None, "cp"),
@@ -1855,6 +1870,16 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
     if grad:
       built.append(_shard_map_grad_case(model, strategy, cfg))
+  # Taken by index (GPT-2's training step is not proved: the gather's
+  # transpose is a scatter-add, which write_backs.py does not follow).
+  for model in MODELS:
+    built.append(_shard_map_case(model, CP_ZIGZAG_TAKE, cfg, "ok", CP_ZIGZAG_TAKE.par()))
+  if grad:
+    built.append(_shard_map_grad_case("llama3", CP_ZIGZAG_TAKE, cfg))
+  built.append(_shard_map_case("llama3", CP_ZIGZAG_TAKE, cfg, "rope_positions_contiguous",
+                               _cp_zigzag_par(positions=_sharded_positions("cp"),
+                                              cut=_zigzag_chunks_by_index),
+                               "wrong_shard_offset", "multiply"))
   built.append(_shard_map_case("gpt2", CP_ZIGZAG, cfg, "positions_contiguous", _cp_zigzag_par(
       position_rows=lambda wpe: lax.dynamic_slice_in_dim(
           wpe, lax.axis_index("cp") * (wpe.shape[0] // 4), wpe.shape[0] // 4, 0)),
