@@ -16,9 +16,10 @@ Three facts carry such relations as far as plain ones go:
 * An op that treats the rows of the reordered dim independently commutes
   with ``P``: ``f(P(S)) = P(f(S))``.  So the lemmas read the layouts without
   their order, and the order moves to the dim those rows land in
-  (``pieces.dim_map``, and a dynamic slice or update keeping the dim whole).  Every operand meeting that dim must be reordered
-  alike or be constant along it (a broadcast, a splat); a sum or max over
-  the dim does not see the order (``result_order``).
+  (``pieces.dim_map``, and a dynamic slice or update keeping the dim
+  whole).  Every operand meeting that dim must be reordered alike or be
+  constant along it (a broadcast, a splat); a sum or max over the dim does
+  not see the order (``result_order``).
 * The order is found where the per-device program builds it: a
   concatenate (or a select over ranks, ``rank_cases.py``'s form of a slice at
   a rank's own offset) of slices of one value held whole along the dim, at
@@ -295,7 +296,8 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, me
       if not np.isfinite(tile).all() or ((tile < 1) | (tile > math.prod(shape))).any():
         return None  # a fill, not an element of the value
       index = np.unravel_index(tile.astype(np.int64) - 1, shape)
-      if any((index[i] != np.indices(tile.shape)[i]).any() for i in range(len(shape)) if i != d):
+      place = np.indices(tile.shape)
+      if any((index[i] != place[i]).any() for i in range(len(shape)) if i != d):
         return None  # an element off its place along another dim
       tile = index[d]
     line = np.moveaxis(tile, d, 0).reshape(tile.shape[d], -1)

@@ -245,8 +245,7 @@ class RelationInference:
         return
       assumed = False  # ``rel`` is popped first; what follows from it is capped
       known.append(r)
-      plain_rows = not r.layout.order  # reordered chunks: only data movement reads them
-      if plain_rows:
+      if not r.layout.order:  # reordered chunks: only data movement reads them
         self.pieces.cut(s, r)
         summed = r.layout.summed_over_pins()
         if summed is not None:

@@ -33,7 +33,6 @@ import numpy as np
 from graphguard_hlo import ir
 from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords, replica_groups
 from graphguard_hlo.passes.chunk_order import chunk_tiling, rank_cone
-from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.layout import Layout, tile_index
 from graphguard_hlo.passes.rank_arith import broadcast_scalar
 
@@ -43,6 +42,12 @@ ZERO, MIXED = -1, -2  # provenance of a zero row, of a sum of rows
 _DATA = {"slice": (0,), "pad": (0,), "concatenate": None, "dynamic_slice": (0,),
          "dynamic_update_slice": (0, 1), "select": (1, 2), "add": (0, 1),
          "all_reduce": (0,), "copy": (0,)}
+
+
+def _summed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """The provenance of ``a + b``: a row where the other is zero, else a mix
+  (nothing here subtracts, so a mix never becomes one row again)."""
+  return np.where(a == ZERO, b, np.where(b == ZERO, a, MIXED))
 
 
 def _data_operands(op: ir.Op) -> list[ir.Value]:
@@ -91,7 +96,8 @@ class WriteBacks:
     for op in self.graph.ops:
       if op.name not in _DATA or len(op.results) != 1 or op.regions and op.name != "all_reduce":
         continue
-      if op.name == "all_reduce" and (len(op.operands) != 1 or reducer_kind(op.regions[0]) != "sum"):
+      if op.name == "all_reduce" and (len(op.operands) != 1
+                                      or op.attrs.get("gg.reduction") != "sum"):
         continue
       sources = set()
       for v in _data_operands(op):
@@ -182,16 +188,14 @@ class WriteBacks:
       values = op.operands[2:]
     else:
       return [[] for _ in range(ranks)]
+    cones = [rank_cone(v.producer) if v.producer is not None else None for v in values]
+    if None in cones:
+      return None
     env: dict = {}
-    for v in values:
-      if v.producer is None:
-        return None
-      cone = rank_cone(v.producer)
-      if cone is None:
-        return None
-      Interpreter(ranks).run_ops(cone, env)
-      if v.id not in env:
-        return None
+    # The offsets share most of their cone (the rank's coordinates): run it once.
+    Interpreter(ranks).run_ops(list(dict.fromkeys(op for cone in cones for op in cone)), env)
+    if any(v.id not in env for v in values):
+      return None
     return [[np.asarray(env[v.id][r]).reshape(()).item() for v in values] for r in range(ranks)]
 
   # -- the layout the rows make ------------------------------------------------------
@@ -262,8 +266,7 @@ def _moved(op: ir.Op, k: int, args: list, scalars: list) -> np.ndarray:
     (pred,) = scalars
     return rows_of(1) if pred else rows_of(2)
   if name == "add":
-    a, b = rows_of(0), rows_of(1)
-    return np.where(a == ZERO, b, np.where(b == ZERO, a, MIXED))
+    return _summed(rows_of(0), rows_of(1))
   if name == "dynamic_slice":
     whole = rows_of(0)
     start = min(max(int(scalars[k]), 0), len(whole) - out_rows)  # clamped, as XLA does
@@ -285,8 +288,7 @@ def _all_reduced(op: ir.Op, args: Optional[list[np.ndarray]], ranks: int) -> lis
   for group in replica_groups(op, ranks):
     total = np.full_like(args[group[0]], ZERO)
     for d in group:
-      a = args[d]
-      total = np.where(total == ZERO, a, np.where(a == ZERO, total, MIXED))
+      total = _summed(total, args[d])
     for d in group:
       out[d] = total
   if any(o is None for o in out):
