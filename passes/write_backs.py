@@ -19,6 +19,14 @@ and a row that is one row ``j`` of ``X@r'`` is exactly that row.  When
 rank's rows of ``W`` are a tile of the sequential tensor (or all of it, in
 order), ``W`` is related: the rows' provenance is a proof, not a sample.
 
+Rows taken by index (Megatron's ``index_select`` of chunks) are written back
+by the gather's transpose: dim ``k`` viewed as chunks by a reshape, a
+scatter-add of the rank's chunks into zeros, a reshape back.  So a row is
+an entry of a provenance array over several dims: it keeps the dims that
+still index ``k``'s rows, and holds one entry for each dim every op keeps
+whole and in place (``_whole``).  A reshape may split or merge the former,
+never the latter; a scatter's windows must cover the latter whole.
+
 The offsets and predicates are computed from the rank by the reference
 interpreter, as ``chunk_order.py`` does.
 """
@@ -30,9 +38,10 @@ from typing import Optional
 
 import numpy as np
 
-from graphguard_hlo import ir
+from graphguard_hlo import ir, reference
 from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords, replica_groups
 from graphguard_hlo.passes.chunk_order import chunk_tiling, rank_cone
+from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.layout import Layout, tile_index
 from graphguard_hlo.passes.rank_arith import broadcast_scalar
 
@@ -41,13 +50,24 @@ ZERO, MIXED = -1, -2  # provenance of a zero row, of a sum of rows
 # The ops that only move, select and add rows, and which operands are data.
 _DATA = {"slice": (0,), "pad": (0,), "concatenate": None, "dynamic_slice": (0,),
          "dynamic_update_slice": (0, 1), "select": (1, 2), "add": (0, 1),
-         "all_reduce": (0,), "copy": (0,)}
+         "all_reduce": (0,), "copy": (0,), "reshape": (0,), "scatter": (0, 2)}
 
 
 def _summed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
   """The provenance of ``a + b``: a row where the other is zero, else a mix
   (nothing here subtracts, so a mix never becomes one row again)."""
   return np.where(a == ZERO, b, np.where(b == ZERO, a, MIXED))
+
+
+def _whole(rows: np.ndarray, v: ir.Value) -> frozenset[int]:
+  """The dims of ``v`` that its provenance ``rows`` keeps whole and in place:
+  those it holds one entry for where ``v`` has more."""
+  return frozenset(i for i, (a, n) in enumerate(zip(rows.shape, v.shape)) if a == 1 and n > 1)
+
+
+def _zeros(v: ir.Value, whole: frozenset[int]) -> np.ndarray:
+  """The provenance of a zero splat shaped as ``v``, ``whole`` kept whole."""
+  return np.full([1 if i in whole else n for i, n in enumerate(v.shape)], ZERO, np.int64)
 
 
 def _data_operands(op: ir.Op) -> list[ir.Value]:
@@ -94,10 +114,14 @@ class WriteBacks:
     summed: set[int] = set()
     self._index = {}
     for op in self.graph.ops:
-      if op.name not in _DATA or len(op.results) != 1 or op.regions and op.name != "all_reduce":
+      if op.name not in _DATA or len(op.results) != 1 or op.regions and op.name not in (
+          "all_reduce", "scatter"):
         continue
       if op.name == "all_reduce" and (len(op.operands) != 1
                                       or op.attrs.get("gg.reduction") != "sum"):
+        continue
+      if op.name == "scatter" and (len(op.operands) != 3
+                                   or reducer_kind(op.regions[0]) != "sum"):
         continue
       sources = set()
       for v in _data_operands(op):
@@ -132,13 +156,15 @@ class WriteBacks:
     except Unsupported:
       return None
     ranks, rows = len(coords), source.shape[k]
-    prov = {source.id: [np.arange(rows, dtype=np.int64) + r * rows for r in range(ranks)]}
+    along_k = [-1 if i == k else 1 for i in range(source.type.rank)]
+    prov = {source.id: [(np.arange(rows, dtype=np.int64) + r * rows).reshape(along_k)
+                        for r in range(ranks)]}
     summed = set()
     for op in self._sourced.get(source.id, ()):  # in program order
       if any(v.id not in prov and not self.is_zero(v) for v in _data_operands(op)):
         continue  # reads rows this probe could not follow
-      if not self._moves_rows_of(op, k):
-        continue  # moves more than rows of dim k (a select by an elementwise mask)
+      if not self._follows(op):
+        continue  # mixes in more than zeros, or selects by an elementwise mask
       scalars = self._scalars(op, ranks)
       if scalars is None:
         continue  # offsets or a predicate not computed from the rank alone
@@ -147,45 +173,45 @@ class WriteBacks:
         if op.name == "all_reduce":
           held = _all_reduced(op, args[0], ranks)
         else:
-          held = [_moved(op, k, [None if a is None else a[r] for a in args], scalars[r])
+          held = [_moved(op, [None if a is None else a[r] for a in args], scalars[r])
                   for r in range(ranks)]
       except Unsupported:
         continue
       prov[op.results[0].id] = held
       if op.name == "all_reduce" or any(v.id in summed for v in _data_operands(op)):
         summed.add(op.results[0].id)
-    return {op.results[0]: prov[op.results[0].id] for op in self._sourced.get(source.id, ())
-            if op.results[0].id in summed}
 
-  def _moves_rows_of(self, op: ir.Op, k: int) -> bool:
-    """Does ``op`` treat every index off dim ``k`` alike, keeping dims in place?"""
+    def rows_of_k(v: ir.Value) -> bool:  # source's shape, every dim but k kept whole
+      off_k = lambda shape: shape[:k] + shape[k + 1:]
+      return (v.type.rank == source.type.rank and off_k(v.shape) == off_k(source.shape)
+              and prov[v.id][0].shape == tuple(n if i == k else 1 for i, n in enumerate(v.shape)))
+
+    return {v: [p.reshape(-1) for p in prov[v.id]]
+            for v in (op.results[0] for op in self._sourced.get(source.id, ()))
+            if v.id in summed and rows_of_k(v)}
+
+  def _follows(self, op: ir.Op) -> bool:
+    """Does ``op`` add nothing but zeros to its data, and select by the rank
+    alone?  (Whether it keeps whole dims whole, ``_moved`` checks.)"""
     out = op.results[0].type
-    for v in _data_operands(op):
-      if v.type.rank != out.rank or v.type.dtype != out.dtype or any(
-          a != b for i, (a, b) in enumerate(zip(v.shape, out.shape)) if i != k):
-        return False
-    a = op.attrs
-    if op.name == "slice":
-      return all(s == 1 for s in a.get("strides") or ()) and all(
-          (a["start_indices"][i], a["limit_indices"][i]) == (0, n)
-          for i, n in enumerate(op.operands[0].shape) if i != k)
+    if any(v.type.dtype != out.dtype for v in _data_operands(op)):
+      return False
     if op.name == "pad":
-      return self.is_zero(op.operands[1]) and not any(a["interior_padding"]) and all(
-          a["edge_padding_low"][i] >= 0 and a["edge_padding_high"][i] >= 0 for i in range(out.rank))
-    if op.name == "concatenate":
-      return a["dimension"] == k
+      return self.is_zero(op.operands[1])
     if op.name == "select":
       return math.prod(broadcast_scalar(op.operands[0]).shape) == 1
-    return True  # (dynamic) slices and updates: other dims whole, checked above
+    return True
 
   def _scalars(self, op: ir.Op, ranks: int) -> Optional[list[list]]:
-    """The op's offsets or predicate at every rank (one list per rank)."""
+    """The op's offsets, predicate or indices at every rank (one list per rank)."""
     if op.name == "select":
       values = [broadcast_scalar(op.operands[0])]
     elif op.name == "dynamic_slice":
       values = [op.operands[1 + k] for k in range(op.operands[0].type.rank)]
     elif op.name == "dynamic_update_slice":
       values = op.operands[2:]
+    elif op.name == "scatter":
+      values = [op.operands[1]]
     else:
       return [[] for _ in range(ranks)]
     cones = [rank_cone(v.producer) if v.producer is not None else None for v in values]
@@ -196,7 +222,7 @@ class WriteBacks:
     Interpreter(ranks).run_ops(list(dict.fromkeys(op for cone in cones for op in cone)), env)
     if any(v.id not in env for v in values):
       return None
-    return [[np.asarray(env[v.id][r]).reshape(()).item() for v in values] for r in range(ranks)]
+    return [[np.asarray(env[v.id][r]) for v in values] for r in range(ranks)]
 
   # -- the layout the rows make ------------------------------------------------------
   def _layout_of(self, held: list[np.ndarray], layout: Layout, k: int, tile) -> Optional[Layout]:
@@ -242,41 +268,111 @@ class WriteBacks:
     return new if new.is_valid() else None
 
 
-def _moved(op: ir.Op, k: int, args: list, scalars: list) -> np.ndarray:
-  """The provenance of ``op``'s result rows at one rank, from its operands'
-  (None: a zero splat)."""
-  out_rows = op.results[0].shape[k]
+def _moved(op: ir.Op, args: list, scalars: list) -> np.ndarray:
+  """The provenance of ``op``'s result at one rank, from its operands' (None:
+  a zero splat, or no data); Unsupported unless ``op`` keeps the dims its
+  data keeps whole whole and in place."""
+  if op.name == "reshape":
+    return _reshaped(op, args[0])
+  if op.name == "scatter":
+    return _scattered(op, args[0], args[2], scalars[0])
+  wholes = {_whole(a, v) for a, v in zip(args, op.operands) if a is not None}
+  if len(wholes) != 1:
+    raise Unsupported("operands kept whole along different dims")
+  (whole,) = wholes
+  rows_of = lambda i: _zeros(op.operands[i], whole) if args[i] is None else args[i]
+  at = lambda index: tuple(slice(None) if i in whole else s for i, s in enumerate(index))
 
-  def rows_of(i: int) -> np.ndarray:
-    a = args[i]
-    return np.full(op.operands[i].shape[k], ZERO, np.int64) if a is None else a
+  def keeps_whole(sizes, of: ir.Value) -> None:
+    if any(sizes[i] != of.shape[i] for i in whole):
+      raise Unsupported(f"{op.name} cuts a dim kept whole")
+
+  def clamped(starts, sizes, of: ir.Value) -> list[slice]:  # as XLA clamps
+    return [slice(s, s + n) for s, n in zip(
+        (min(max(int(s), 0), m - n) for s, m, n in zip(starts, of.shape, sizes)), sizes)]
 
   name, attrs = op.name, op.attrs
   if name == "copy":
     return rows_of(0)
-  if name == "slice":
-    return rows_of(0)[attrs["start_indices"][k]:attrs["limit_indices"][k]]
-  if name == "pad":
-    low, high = attrs["edge_padding_low"][k], attrs["edge_padding_high"][k]
-    zeros = lambda n: np.full(n, ZERO, np.int64)
-    return np.concatenate([zeros(low), rows_of(0), zeros(high)])
-  if name == "concatenate":
-    return np.concatenate([rows_of(i) for i in range(len(op.operands))])
-  if name == "select":
-    (pred,) = scalars
-    return rows_of(1) if pred else rows_of(2)
   if name == "add":
     return _summed(rows_of(0), rows_of(1))
+  if name == "select":
+    (pred,) = scalars
+    return rows_of(1) if bool(pred) else rows_of(2)
+  if name == "slice":
+    start, limit = attrs["start_indices"], attrs["limit_indices"]
+    strides = attrs.get("strides") or [1] * len(start)
+    if any((start[i], limit[i], strides[i]) != (0, op.operands[0].shape[i], 1) for i in whole):
+      raise Unsupported("slice cuts a dim kept whole")
+    return rows_of(0)[at([slice(*s) for s in zip(start, limit, strides)])].copy()
+  if name == "pad":
+    low, high, interior = (attrs[f] for f in ("edge_padding_low", "edge_padding_high",
+                                              "interior_padding"))
+    if any(low[i] or high[i] or interior[i] for i in whole):
+      raise Unsupported("pad widens a dim kept whole")
+    return reference.pad(rows_of(0), np.int64(ZERO), low, high, interior)
+  if name == "concatenate":
+    if attrs["dimension"] in whole:
+      raise Unsupported("concatenate along a dim kept whole")
+    return np.concatenate([rows_of(i) for i in range(len(op.operands))], attrs["dimension"])
   if name == "dynamic_slice":
-    whole = rows_of(0)
-    start = min(max(int(scalars[k]), 0), len(whole) - out_rows)  # clamped, as XLA does
-    return whole[start:start + out_rows]
+    sizes = attrs["slice_sizes"]
+    keeps_whole(sizes, op.operands[0])
+    return rows_of(0)[at(clamped(scalars, sizes, op.operands[0]))].copy()
   if name == "dynamic_update_slice":
     base, update = rows_of(0).copy(), rows_of(1)
-    start = min(max(int(scalars[k]), 0), len(base) - len(update))
-    base[start:start + len(update)] = update
+    keeps_whole(op.operands[1].shape, op.operands[0])
+    base[at(clamped(scalars, op.operands[1].shape, op.operands[0]))] = update
     return base
   raise Unsupported(name)
+
+
+def _reshaped(op: ir.Op, rows: np.ndarray) -> np.ndarray:
+  """A reshape keeps in place the dims of a prefix and a suffix it leaves as
+  they are, and regroups the rows in between: dims kept whole must be among
+  the former."""
+  s, t = op.operands[0].shape, op.results[0].shape
+  a = next((i for i, (m, n) in enumerate(zip(s, t)) if m != n), min(len(s), len(t)))
+  b = next((i for i, (m, n) in enumerate(zip(s[::-1], t[::-1])) if m != n),
+           min(len(s), len(t)))
+  b = min(b, len(s) - a, len(t) - a)
+  if any(a <= i < len(s) - b for i in _whole(rows, op.operands[0])):
+    raise Unsupported("reshape regroups a dim kept whole")
+  return rows.reshape(rows.shape[:a] + tuple(t[a:len(t) - b]) + rows.shape[len(s) - b:])
+
+
+def _scattered(op: ir.Op, base: Optional[np.ndarray], updates: np.ndarray,
+               indices: np.ndarray) -> np.ndarray:
+  """A scatter-add of rows: every window must land (XLA skips one that does
+  not fit, which the spec leaves open) and cover the dims kept whole, which
+  no index may address."""
+  dn = reference.dimension_numbers(op.attrs["scatter_dimension_numbers"])
+  if dn.get("input_batching_dims"):
+    raise Unsupported("scatter with batching dims")
+  covered = [d for d in range(op.operands[0].type.rank)
+             if d not in dn.get("inserted_window_dims", ())]
+  to_operand = dict(zip(dn.get("update_window_dims", ()), covered))
+  kept = _whole(updates, op.operands[2])
+  if not kept <= set(to_operand):
+    raise Unsupported("scatter indexes along a dim kept whole")
+  whole = frozenset(to_operand[d] for d in kept)
+  if whole & set(dn.get("scatter_dims_to_operand_dims", ())) or any(
+      op.operands[2].shape[d] != op.operands[0].shape[to_operand[d]] for d in kept):
+    raise Unsupported("scatter cuts a dim kept whole")
+  base = _zeros(op.operands[0], whole) if base is None else base
+  if _whole(base, op.operands[0]) != whole:
+    raise Unsupported("scatter into rows kept whole along other dims")
+  add = lambda x: reference.scatter(np.zeros_like(base), indices, x, op.attrs, "sum")
+  landed = add(np.ones_like(updates))
+  if landed.sum() != updates.size or op.attrs.get("unique_indices") and landed.max() > 1:
+    raise Unsupported("a scatter's window skipped, or indices declared unique that are not")
+  # Count the rows each entry sums (a mix counts two) and add their ids:
+  # where exactly one row lands, the sum of ids is that row's.
+  count = lambda p: (p != ZERO).astype(np.int64) + (p == MIXED)
+  ident = lambda p: np.where(p >= 0, p + 1, 0)
+  total = count(base) + add(count(updates))
+  ids = ident(base) + add(ident(updates))
+  return np.where(total == 0, ZERO, np.where(total == 1, ids - 1, MIXED))
 
 
 def _all_reduced(op: ir.Op, args: Optional[list[np.ndarray]], ranks: int) -> list[np.ndarray]:

@@ -15,8 +15,11 @@ import pytest
 from jax import lax, shard_map
 from jax.sharding import PartitionSpec as P
 
+from graphguard_hlo import ir
 from graphguard_hlo.api import _abstract_args, verify
 from graphguard_hlo.lowering import lower_distributed, lower_sequential
+from graphguard_hlo.interpret import Unsupported
+from graphguard_hlo.passes.write_backs import MIXED, ZERO, _reshaped, _scattered
 from graphguard_hlo.relation_check import verify_and_check
 from tests.numbers import outputs_agree
 from tools.zoo.cases import mesh_of
@@ -51,13 +54,36 @@ def _written_back(rows, like, table, axis="cp"):
   return out
 
 
+def _chunk_numbers(table, axis="cp"):
+  """Rank r's chunk numbers ``table[r]``, as an int vector computed from the rank."""
+  return jnp.stack([_chunk_number(table, j, axis) for j in range(len(table[0]))])
+
+
+def _taken(t, table, axis="cp"):
+  """``_cut`` as Megatron writes it: the rows viewed as chunks, the rank's
+  taken by index (a gather), viewed as rows again."""
+  chunks = t.reshape((len(table) * len(table[0]), -1) + t.shape[1:])
+  return jnp.take(chunks, _chunk_numbers(table, axis), axis=0).reshape((-1,) + t.shape[1:])
+
+
+def _scattered_back(rows, like, table, axis="cp"):
+  """``_written_back`` as the gather's transpose writes it: the rank's chunks
+  scatter-added into zeros viewed as chunks."""
+  n = len(table) * len(table[0])
+  chunks = jnp.zeros((n, like.shape[0] // n) + like.shape[1:], like.dtype)
+  mine = rows.reshape((len(table[0]), -1) + rows.shape[1:])
+  return chunks.at[_chunk_numbers(table, axis)].add(mine).reshape(like.shape)
+
+
 def _seq(t):
   return jnp.tanh(t) * 3.0
 
 
-def _by_hand(cut=ZIGZAG, back=ZIGZAG, sum_over="cp"):
+def _by_hand(cut=ZIGZAG, back=ZIGZAG, sum_over="cp", by_index=False):
+  take, put = (_taken, _scattered_back) if by_index else (_cut, _written_back)
+
   def local(t):
-    return lax.psum(_written_back(_seq(_cut(t, cut)), t, back), sum_over)
+    return lax.psum(put(_seq(take(t, cut)), t, back), sum_over)
   return local
 
 
@@ -65,6 +91,13 @@ def _by_autodiff(t):
   """The cut's transpose as jax writes it: one chunk updated into zeros, the
   other a select over ranks of pads, each summed, then added."""
   rows, write_back = jax.vjp(lambda t: _cut(t, ZIGZAG), t)
+  return write_back(_seq(rows))[0]
+
+
+def _by_index_autodiff(t):
+  """Chunks taken by index; the gather's transpose (a scatter-add into zeros
+  viewed as chunks, summed) writes them back."""
+  rows, write_back = jax.vjp(lambda t: _taken(t, ZIGZAG), t)
   return write_back(_seq(rows))[0]
 
 
@@ -136,8 +169,53 @@ def test_rows_summed_across_tiles_of_another_dim_are_not_proved():
   assert not verify(_seq, dist, T).refines
 
 
+@pytest.mark.parametrize("local", [_by_index_autodiff, _by_hand(by_index=True),
+                                   _by_hand(cut=((0, 5), (4, 1), (2, 3), (7, 6)),
+                                            back=((0, 5), (4, 1), (2, 3), (7, 6)),
+                                            by_index=True)],
+                         ids=["zigzag_by_autodiff", "zigzag_by_hand", "any_table_by_hand"])
+def test_rows_taken_by_index_and_scattered_back_are_proved(local):
+  _proved_and_checked(local)
+
+
+def test_rows_scattered_back_within_a_tile_of_another_dim_are_proved():
+  mesh = mesh_of((2, 4), ("dp", "cp"))
+  _proved_and_checked(_by_hand(by_index=True), mesh=mesh, spec=P(None, "dp"),
+                      out_spec=P(None, "dp"))
+
+
+def test_rows_scattered_back_in_another_order_are_reported_at_the_output():
+  result = _not_proved(_by_hand(back=CONTIGUOUS, by_index=True))
+  assert result.failure.op_name == "output"
+  assert "in another order" in result.failure.diagnosis
+
+
+@pytest.mark.parametrize("back", [((0, 0), (1, 1), (2, 2), (3, 3)),   # added onto each other
+                                  ((0, 8), (1, 9), (2, 10), (3, 11))],  # past the end: dropped
+                         ids=["onto_each_other", "past_the_end"])
+def test_rows_scattered_onto_each_other_or_past_the_end_are_not_proved(back):
+  result = _not_proved(_by_hand(back=back, by_index=True))
+  assert result.failure.op_name == "output"
+
+
+def test_rows_scattered_across_the_columns_are_not_proved():
+  # The chunks' columns are scattered at an offset computed from the rank
+  # (half the columns each): an index addressing a dim the rows keep whole.
+  def local(t):
+    rows = _seq(_taken(t, ZIGZAG)).reshape(2, 2, 8)[..., :4]
+    half = (lax.axis_index("cp") % 2) * 4
+    at = jnp.stack([_chunk_numbers(ZIGZAG), jnp.full((2,), half)], axis=1)
+    out = lax.scatter_add(jnp.zeros((8, 2, 8)), at, rows, lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2), inserted_window_dims=(0,),
+        scatter_dims_to_operand_dims=(0, 2)))
+    return lax.psum(out.reshape(16, 8), "cp")
+  result = _not_proved(local)
+  assert result.failure.op_name == "output"
+
+
+@pytest.mark.parametrize("by_index", [False, True], ids=["updated", "scattered"])
 @pytest.mark.parametrize("seed", range(6))
-def test_proved_exactly_when_the_rows_go_back_where_they_came_from(seed):
+def test_proved_exactly_when_the_rows_go_back_where_they_came_from(seed, by_index):
   """Random chunk tables for the cut and the write-back (the same one, the
   same chunks swapped within a rank, or another): the verdict is refines
   exactly when the outputs agree."""
@@ -145,5 +223,73 @@ def test_proved_exactly_when_the_rows_go_back_where_they_came_from(seed):
   cut = tuple(map(tuple, rng.permutation(8).reshape(4, 2).tolist()))
   back = [cut, tuple(row[::-1] for row in cut),
           tuple(map(tuple, rng.permutation(8).reshape(4, 2).tolist()))][seed % 3]
-  dist = shard_map(_by_hand(cut, back), mesh=MESH, in_specs=(P(),), out_specs=P())
+  dist = shard_map(_by_hand(cut, back, by_index=by_index), mesh=MESH, in_specs=(P(),),
+                   out_specs=P())
   assert verify(_seq, dist, T).refines == outputs_agree(_seq, dist, T) == (back == cut)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_scatters_rows_are_one_row_only_where_one_row_lands(seed):
+  """The provenance of a scatter-add against a count by hand: an entry is one
+  row where exactly one row lands on it (a zero base, or that row as the
+  base), zero where none does, and a mix otherwise.  Random indices with
+  repeats, windows of one row or several, bases of rows, zeros and mixes;
+  dim 1 kept whole."""
+  rng = np.random.default_rng(seed)
+  n, m, cols = 6, 5, 3
+  width = 1 + seed % 3  # rows per window; one: the window dim inserted
+  inserted = width == 1
+  dn = (f"#stablehlo.scatter<update_window_dims = {[1] if inserted else [1, 2]}, "
+        f"inserted_window_dims = {[0] if inserted else []}, "
+        "scatter_dims_to_operand_dims = [0], index_vector_dim = 1>")
+  upd_shape = (m, cols) if inserted else (m, width, cols)
+  values = [ir.Value(i, ir.TensorType(shape, "f32")) for i, shape in
+            enumerate([(n, cols), (m, 1), upd_shape])]
+  op = ir.Op("scatter", values, {"scatter_dimension_numbers": dn}, [], ir.Location())
+  starts = rng.integers(0, n - width + 1, m)
+  some_rows = lambda shape: rng.choice([ZERO, MIXED, *range(20)], shape, p=[
+      0.3, 0.1] + [0.6 / 20] * 20).astype(np.int64)
+  base = some_rows((n, 1)) if seed % 2 else None
+  updates = some_rows(upd_shape[:-1] + (1,))
+  got = _scattered(op, base, updates, starts.reshape(m, 1).astype(np.int32))
+  for row in range(n):
+    landing = [updates[i].reshape(-1)[row - starts[i]] for i in range(m)
+               if 0 <= row - starts[i] < width]
+    held = [p for p in [ZERO if base is None else base[row, 0], *landing] if p != ZERO]
+    want = ZERO if not held else held[0] if held == [held[0]] and held[0] >= 0 else MIXED
+    assert got[row, 0] == want, (row, held)
+
+
+def test_a_reshape_regroups_rows_as_it_regroups_the_elements():
+  """A provenance array holds one entry for each dim kept whole: reshaping it
+  by ``_reshaped`` and spreading it over the whole dims must give the
+  reshape of it spread first.  Random shapes, whole dims and reshapes (split
+  a dim, merge neighbours, or any other factorization); refusing is allowed,
+  giving another provenance is not."""
+  rng = np.random.default_rng(0)
+  accepted = refused = 0
+  for _ in range(400):
+    shape = tuple(int(n) for n in rng.integers(1, 5, rng.integers(2, 5)))
+    whole = {i for i in range(len(shape)) if shape[i] > 1 and rng.random() < 0.4}
+    rows = rng.integers(0, 1000, [1 if i in whole else n for i, n in enumerate(shape)])
+    size, target = int(np.prod(shape)), []
+    while size > 1:  # a random factorization of the same size, in some order
+      f = int(rng.choice([d for d in range(2, size + 1) if size % d == 0]))
+      target.append(f)
+      size //= f
+    if rng.random() < 0.5:  # or one dim split or two merged, the rest as they were
+      i = int(rng.integers(len(shape) - 1))
+      target = list(shape[:i]) + [shape[i] * shape[i + 1]] + list(shape[i + 2:])
+    values = [ir.Value(0, ir.TensorType(shape, "f32")),
+              ir.Value(1, ir.TensorType(tuple(target), "f32"))]
+    op = ir.Op("reshape", values[:1], {}, [], ir.Location())
+    op.results.append(values[1])
+    try:
+      got = _reshaped(op, rows)
+    except Unsupported:
+      refused += 1
+      continue
+    accepted += 1
+    spread = np.broadcast_to(rows, shape).reshape(target)
+    np.testing.assert_array_equal(np.broadcast_to(got, target), spread)
+  assert accepted > 100 and refused > 20, (accepted, refused)
