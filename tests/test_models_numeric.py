@@ -100,6 +100,8 @@ def test_names_and_metadata():
   strategies.get("gpt2/cp_zigzag_vjp_grad/shard_map/ok")
   strategies.get("llama3/cp_zigzag_ring_grad/shard_map/ok")
   strategies.get("llama3/cp_zigzag_take_grad/shard_map/ok")
+  strategies.get("gpt2/cp_zigzag_take_grad/shard_map/ok")
+  strategies.get("gpt2/cp_zigzag_take_vjp_grad/shard_map/ok")
 
 
 @pytest.mark.parametrize("case", ALL, ids=_ids)

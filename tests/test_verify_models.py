@@ -91,6 +91,9 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/cp_zigzag_vjp_grad/shard_map/write_back_contiguous":
         "output 2 is laid out as chunks[dim0: 0 7 1 6 2 5 3 4](replica(out@r)) but the "
         "distributed module declares replica(out@r) (its rows' chunks are in another order",
+    "gpt2/cp_zigzag_take_vjp_grad/shard_map/write_back_contiguous":
+        "output 2 is laid out as chunks[dim0: 0 7 1 6 2 5 3 4](replica(out@r)) but the "
+        "distributed module declares replica(out@r) (its rows' chunks are in another order",
     "gpt2/cp_zigzag_vjp_grad/shard_map/write_back_averaged":
         "output 2: the distributed value is 0.25 times the sequential one (divided by 4 = |cp| "
         "once too often: pmean where psum belongs?)",

@@ -398,15 +398,17 @@ def _zigzag_chunks_by_index(x, axis_name, dim=1):
   return mine.reshape(shape[:dim] + (-1,) + shape[dim + 1:])
 
 
-def _zigzag_rows_by_hand(axis_name, write_back="zigzag", reduce=lax.psum):
+def _zigzag_rows_by_hand(axis_name, write_back="zigzag", reduce=lax.psum, by_index=False):
   """``_zigzag_chunks`` of a replicated table along dim 0 with a hand-written
   backward (as Megatron writes its index gathers): the rows' gradient written
-  back into place in zeros and summed over the ranks.  The bugs: written
-  back at a contiguous shard's rows (``write_back="contiguous"``), or
-  averaged over the ranks (``reduce=lax.pmean``)."""
+  back into place in zeros and summed over the ranks.  ``by_index``: the
+  chunks taken by index and added back at the same indices (``index_add``).
+  The bugs: written back at a contiguous shard's rows
+  (``write_back="contiguous"``), or averaged over the ranks
+  (``reduce=lax.pmean``)."""
   @jax.custom_vjp
   def rows(table):
-    return _zigzag_chunks(table, axis_name, 0)
+    return (_zigzag_chunks_by_index if by_index else _zigzag_chunks)(table, axis_name, 0)
 
   def forward(table):
     return rows(table), jnp.zeros_like(table)
@@ -414,7 +416,11 @@ def _zigzag_rows_by_hand(axis_name, write_back="zigzag", reduce=lax.psum):
   def backward(zeros, g):
     n, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
     size = g.shape[0] // 2
-    if write_back == "contiguous":
+    if by_index:
+      mine = jnp.stack([2 * r, 2 * r + 1] if write_back == "contiguous" else [r, 2 * n - 1 - r])
+      chunks = zeros.reshape((2 * n, size) + zeros.shape[1:])
+      whole = chunks.at[mine].add(g.reshape((2, size) + g.shape[1:])).reshape(zeros.shape)
+    elif write_back == "contiguous":
       whole = lax.dynamic_update_slice_in_dim(zeros, g, r * 2 * size, 0)
     else:
       whole = lax.dynamic_update_slice_in_dim(zeros, g[:size], r * size, 0)
@@ -866,6 +872,10 @@ CP_ZIGZAG_RING = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_ring", par=_zigz
 # The chunks taken by index, as Megatron writes it.
 CP_ZIGZAG_TAKE = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_take", par=functools.partial(
     _cp_zigzag_par, cut=_zigzag_chunks_by_index))
+# ... with GPT-2's learned positions' backward written by hand (an index_add).
+CP_ZIGZAG_TAKE_VJP = dataclasses.replace(CP_ZIGZAG_TAKE, name="cp_zigzag_take_vjp", par=lambda: (
+    _cp_zigzag_par(cut=_zigzag_chunks_by_index,
+                   position_rows=_zigzag_rows_by_hand("cp", by_index=True))))
 RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
                            _ring_attention_par)
 RING_ATTENTION_VJP = _Strategy("ring_attention_vjp", (4,), ("cp",), P(None, "cp"),
@@ -1870,12 +1880,19 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
     if grad:
       built.append(_shard_map_grad_case(model, strategy, cfg))
-  # Taken by index (GPT-2's training step is not proved: the gather's
-  # transpose is a scatter-add, which write_backs.py does not follow).
-  for model in MODELS:
-    built.append(_shard_map_case(model, CP_ZIGZAG_TAKE, cfg, "ok", CP_ZIGZAG_TAKE.par()))
+  # Taken by index (the gather's transpose, or GPT-2's hand-written backward,
+  # scatter-adds the position table's rows back), and the bug: added back at
+  # a contiguous shard's chunks.
+  for model, strategy in [(m, CP_ZIGZAG_TAKE) for m in MODELS] + [("gpt2", CP_ZIGZAG_TAKE_VJP)]:
+    built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, strategy, cfg))
   if grad:
-    built.append(_shard_map_grad_case("llama3", CP_ZIGZAG_TAKE, cfg))
+    strategy = dataclasses.replace(CP_ZIGZAG_TAKE_VJP, par=functools.partial(
+        _cp_zigzag_par, cut=_zigzag_chunks_by_index,
+        position_rows=_zigzag_rows_by_hand("cp", "contiguous", by_index=True)))
+    built.append(_shard_map_grad_case("gpt2", strategy, cfg, "write_back_contiguous",
+                                      bug="wrong_shard_offset", bug_primitive="output"))
   built.append(_shard_map_case("llama3", CP_ZIGZAG_TAKE, cfg, "rope_positions_contiguous",
                                _cp_zigzag_par(positions=_sharded_positions("cp"),
                                               cut=_zigzag_chunks_by_index),
