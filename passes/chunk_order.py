@@ -62,8 +62,9 @@ _DATA = {"concatenate": None, "dynamic_slice": (0,), "slice": (0,), "select": (1
 # follows every element, not only rows.
 _REGROUP = {"reshape": (0,), "gather": (0,)}
 _MOVES = {**_DATA, **_REGROUP}
-# Probes that follow every element copy the value's index: at most this many
-# (exact in float32).
+# Probes that follow every element copy the value's index (an int64, or a
+# float64 where a fill splat meets it: exact either way) at every rank: at
+# most this many, to bound their cost.
 MAX_ELEMENTS_FOLLOWED = 1 << 22
 
 
@@ -272,9 +273,7 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, me
   if ops is None:
     return None
   shape = source.type.shape
-  if every_element:  # 1 + the element's flat index: a fill (0, NaN, ...) is none
-    if any(r.type.dtype.startswith(("bf", "f8", "f16")) for op in ops for r in op.results):
-      return None  # indices held in these floats are not exact
+  if every_element:  # 1 + the element's flat index (int64: data movement keeps it exact)
     rows = np.arange(1, math.prod(shape) + 1, dtype=np.int64).reshape(shape)
   else:
     # Every element holds its row number (a view: the value is never copied).
@@ -287,7 +286,7 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, me
   env = {source.id: [rows] * len(coords)}
   Interpreter(len(coords)).run_ops(ops, env)
   held = env.get(root.results[0].id)
-  if held is None:
+  if held is None or not _fills_never_picked(ops, env, source):
     return None
   at = {}
   for coord, tile in zip(coords, held):
@@ -305,6 +304,24 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, me
       return None  # not rows (every other index the same)
     at[coord] = tuple(int(x) for x in line[:, 0])
   return chunk_tiling(at, mesh, shape[d])
+
+
+def _fills_never_picked(ops: list[ir.Op], env: dict, source: ir.Value) -> bool:
+  """Does every bounds mask (a select between elements of ``source`` and a
+  fill splat) pick the elements at every rank?  A fill picked would read as
+  whatever element its value names, were it an id."""
+  moved = {source.id}
+  for op in ops:
+    if not any(v.id in moved for v in op.operands):
+      continue  # indices, predicates
+    moved.update(v.id for v in op.results)
+    if op.name != "select":
+      continue
+    fills = [k for k in (1, 2) if splat_value(op.operands[k]) is not None]
+    if fills and any((np.asarray(p).astype(bool) == (fills[0] == 1)).any()
+                     for p in env[op.operands[0].id]):
+      return False
+  return True
 
 
 def chunk_tiling(at: dict[tuple[int, ...], tuple[int, ...]], mesh: ir.Mesh, n: int

@@ -163,6 +163,37 @@ def test_chunks_taken_with_other_elements_moved_or_filled_are_not_proved(bug):
   assert not verify(seq, dist, X, W).refines
 
 
+def test_a_fill_naming_an_element_is_not_read_as_that_element():
+  # Eight one-token chunks; rank 3 takes index 8, past the end, for its late
+  # chunk 4, and jnp.take fills it with 5.0: the probe's id of token 4.  The
+  # bounds mask picks the fill there, so the chunk is not token 4 at all.
+  def local(t):
+    r = lax.axis_index("cp")
+    late = jnp.where(r == 3, 8, 7 - r)
+    mine = jnp.take(t, jnp.stack([r, late]), mode="fill", fill_value=5.0)
+    return lax.psum(jnp.sum(jnp.tanh(mine)), "cp")
+
+  def seq(t):
+    return jnp.sum(jnp.tanh(t))
+  t = jnp.zeros(8)
+  dist = shard_map(local, mesh=MESH, in_specs=(P(),), out_specs=P())
+  assert not _agree(seq, dist, t)
+  assert not verify(seq, dist, t).refines
+
+
+def test_chunks_of_a_long_bfloat16_sequence_taken_by_index_are_proved():
+  # 1024 rows of bf16 (which holds integers exactly only to 256): the probe's
+  # ids are int64 whatever the value's type.
+  x = jnp.zeros((1024, 8), jnp.bfloat16)
+  w = jnp.zeros((8, 8), jnp.bfloat16)
+
+  def seq(x, w):
+    return jnp.sum(jnp.tanh(x @ w).astype(jnp.float32))
+  dist = shard_map(lambda x, w: lax.psum(seq(_taken(x, _zigzag_indices), w), "cp"),
+                   mesh=MESH, in_specs=(P(), P()), out_specs=P())
+  assert verify(seq, dist, x, w).refines
+
+
 def _ring_gathered(own, passed, axis="cp"):
   """A ring gather's buffer: ``own`` written at the rank's place, then the
   blocks of ``passed`` received round the ring at theirs."""
