@@ -50,7 +50,8 @@ ZERO, MIXED = -1, -2  # provenance of a zero row, of a sum of rows
 # The ops that only move, select and add rows, and which operands are data.
 _DATA = {"slice": (0,), "pad": (0,), "concatenate": None, "dynamic_slice": (0,),
          "dynamic_update_slice": (0, 1), "select": (1, 2), "add": (0, 1),
-         "all_reduce": (0,), "copy": (0,), "reshape": (0,), "scatter": (0, 2)}
+         "all_reduce": (0,), "copy": (0,), "reshape": (0,), "scatter": (0, 2),
+         "broadcast_in_dim": (0,)}  # one inserting unit dims only: a reshape
 
 
 def _summed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -274,6 +275,11 @@ def _moved(op: ir.Op, args: list, scalars: list) -> np.ndarray:
   data keeps whole whole and in place."""
   if op.name == "reshape":
     return _reshaped(op, args[0])
+  if op.name == "broadcast_in_dim":
+    dims = op.attrs["broadcast_dimensions"]
+    if math.prod(op.operands[0].shape) != math.prod(op.results[0].shape) or list(dims) != sorted(dims):
+      raise Unsupported("broadcast_in_dim that broadcasts")
+    return _reshaped(op, args[0])
   if op.name == "scatter":
     return _scattered(op, args[0], args[2], scalars[0])
   wholes = {_whole(a, v) for a, v in zip(args, op.operands) if a is not None}
@@ -366,6 +372,11 @@ def _scattered(op: ir.Op, base: Optional[np.ndarray], updates: np.ndarray,
   landed = add(np.ones_like(updates))
   if landed.sum() != updates.size or op.attrs.get("unique_indices") and landed.max() > 1:
     raise Unsupported("a scatter's window skipped, or indices declared unique that are not")
+  vectors = reference._index_rows(indices, dn["index_vector_dim"]).reshape(
+      -1, indices.shape[dn["index_vector_dim"]] if dn["index_vector_dim"] < indices.ndim else 1)
+  if op.attrs.get("indices_are_sorted") and any(
+      tuple(a) > tuple(b) for a, b in zip(vectors, vectors[1:])):
+    raise Unsupported("indices declared sorted that are not")
   # Count the rows each entry sums (a mix counts two) and add their ids:
   # where exactly one row lands, the sum of ids is that row's.
   count = lambda p: (p != ZERO).astype(np.int64) + (p == MIXED)

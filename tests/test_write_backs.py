@@ -293,3 +293,25 @@ def test_a_reshape_regroups_rows_as_it_regroups_the_elements():
     spread = np.broadcast_to(rows, shape).reshape(target)
     np.testing.assert_array_equal(np.broadcast_to(got, target), spread)
   assert accepted > 100 and refused > 20, (accepted, refused)
+
+
+@pytest.mark.parametrize("declared", ["unique_indices", "indices_are_sorted"])
+def test_a_scatter_whose_indices_break_what_it_declares_is_not_proved(declared):
+  # XLA may assume what a scatter declares of its indices; where they break
+  # it, the result is the implementation's, so the rows are not followed
+  # (on CPU these programs happen to compute the right rows).  Declared
+  # unique: the early chunk's index again, adding a window of zeros there.
+  # Declared sorted: the indices late chunk first, [7 - r, r].
+  def local(t):
+    rows = _seq(_taken(t, ZIGZAG)).reshape(2, 2, 8)
+    at = _chunk_numbers(ZIGZAG)
+    if declared == "unique_indices":
+      rows = jnp.concatenate([rows, jnp.zeros((1, 2, 8))])
+      at = jnp.concatenate([at, at[:1]])
+    else:
+      rows, at = jnp.concatenate([rows[1:], rows[:1]]), jnp.stack([at[1], at[0]])
+    out = jnp.zeros((8, 2, 8)).at[at].add(rows, **{declared: True})
+    return lax.psum(out.reshape(16, 8), "cp")
+  dist = shard_map(local, mesh=MESH, in_specs=(P(),), out_specs=P())
+  assert outputs_agree(_seq, dist, T)
+  assert not verify(_seq, dist, T).refines
