@@ -196,6 +196,14 @@ def _index_rows(indices: np.ndarray, index_vector_dim: int) -> np.ndarray:
   return np.moveaxis(indices, index_vector_dim, -1)
 
 
+def indices_sorted(indices: np.ndarray, index_vector_dim: int) -> bool:
+  """Are a gather's or scatter's index vectors in lexicographic order (what
+  ``indices_are_sorted`` declares, and XLA may rely on)?"""
+  vectors = _index_rows(indices, index_vector_dim)
+  vectors = vectors.reshape(-1, vectors.shape[-1])
+  return all(tuple(a) <= tuple(b) for a, b in zip(vectors, vectors[1:]))
+
+
 def _row_start(rows: np.ndarray, row: tuple, index_map: Sequence[int], rank: int) -> list[int]:
   """The operand index row ``row`` of the indices starts at (0 off ``index_map``)."""
   start = [0] * rank

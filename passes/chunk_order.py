@@ -46,7 +46,7 @@ from typing import Optional
 
 import numpy as np
 
-from graphguard_hlo import ir
+from graphguard_hlo import ir, reference
 from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.pieces import dim_map, partner_dim
@@ -286,7 +286,7 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, me
   env = {source.id: [rows] * len(coords)}
   Interpreter(len(coords)).run_ops(ops, env)
   held = env.get(root.results[0].id)
-  if held is None or not _fills_never_picked(ops, env, source):
+  if held is None or not _taken_as_declared(ops, env, source):
     return None
   at = {}
   for coord, tile in zip(coords, held):
@@ -306,18 +306,23 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, me
   return chunk_tiling(at, mesh, shape[d])
 
 
-def _fills_never_picked(ops: list[ir.Op], env: dict, source: ir.Value) -> bool:
+def _taken_as_declared(ops: list[ir.Op], env: dict, source: ir.Value) -> bool:
   """Does every bounds mask (a select between elements of ``source`` and a
-  fill splat) pick the elements at every rank?  A fill picked would read as
-  whatever element its value names, were it an id."""
+  fill splat) pick the elements at every rank, and every gather declaring
+  its indices sorted have them so?  A fill picked would read as whatever
+  element its value names, were it an id; a gather breaking what it
+  declares computes what XLA's implementation makes of it."""
   moved = {source.id}
   for op in ops:
     if not any(v.id in moved for v in op.operands):
       continue  # indices, predicates
     moved.update(v.id for v in op.results)
-    if op.name != "select":
-      continue
-    fills = [k for k in (1, 2) if splat_value(op.operands[k]) is not None]
+    if op.name == "gather" and op.attrs.get("indices_are_sorted") and not all(
+        reference.indices_sorted(i, reference.dimension_numbers(op.attrs["dimension_numbers"])[
+            "index_vector_dim"]) for i in env[op.operands[1].id]):
+      return False
+    fills = [k for k in (1, 2) if splat_value(op.operands[k]) is not None] \
+        if op.name == "select" else []
     if fills and any((np.asarray(p).astype(bool) == (fills[0] == 1)).any()
                      for p in env[op.operands[0].id]):
       return False

@@ -372,10 +372,8 @@ def _scattered(op: ir.Op, base: Optional[np.ndarray], updates: np.ndarray,
   landed = add(np.ones_like(updates))
   if landed.sum() != updates.size or op.attrs.get("unique_indices") and landed.max() > 1:
     raise Unsupported("a scatter's window skipped, or indices declared unique that are not")
-  vectors = reference._index_rows(indices, dn["index_vector_dim"]).reshape(
-      -1, indices.shape[dn["index_vector_dim"]] if dn["index_vector_dim"] < indices.ndim else 1)
-  if op.attrs.get("indices_are_sorted") and any(
-      tuple(a) > tuple(b) for a, b in zip(vectors, vectors[1:])):
+  if op.attrs.get("indices_are_sorted") and not reference.indices_sorted(
+      indices, dn["index_vector_dim"]):
     raise Unsupported("indices declared sorted that are not")
   # Count the rows each entry sums (a mix counts two) and add their ids:
   # where exactly one row lands, the sum of ids is that row's.

@@ -181,6 +181,20 @@ def test_a_fill_naming_an_element_is_not_read_as_that_element():
   assert not verify(seq, dist, t).refines
 
 
+@pytest.mark.parametrize("declared_sorted", [False, True])
+def test_chunks_taken_late_first_are_proved_unless_declared_sorted(declared_sorted):
+  # [7 - r, r] is another chunk table, but not sorted: a gather declaring
+  # it sorted computes what XLA's implementation makes of it.
+  def local(x, w):
+    r = lax.axis_index("cp")
+    chunks = x.reshape((8, x.shape[0] // 8) + x.shape[1:])
+    mine = jnp.take(chunks, jnp.stack([7 - r, r]), axis=0, indices_are_sorted=declared_sorted)
+    return lax.psum(_loss(mine.reshape((-1,) + x.shape[1:]), w), "cp")
+  dist = shard_map(local, mesh=MESH, in_specs=(P(), P()), out_specs=P())
+  assert _agree(_loss, dist, X, W)
+  assert verify(_loss, dist, X, W).refines == (not declared_sorted)
+
+
 def test_chunks_of_a_long_bfloat16_sequence_taken_by_index_are_proved():
   # 1024 rows of bf16 (which holds integers exactly only to 256): the probe's
   # ids are int64 whatever the value's type.
