@@ -57,6 +57,22 @@ def cast(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 
+# The largest integer each float type holds exactly, with every one below it.
+_EXACT_INTEGERS = {"f16": 1 << 11, "bf16": 1 << 8, "f32": 1 << 24, "f64": 1 << 53}
+
+
+def type_bounds(dtype: str) -> Optional[tuple[int, int]]:
+  """The integers a scalar of ``dtype`` holds exactly, as (lowest, highest);
+  None for other types.  XLA wraps, rounds or saturates what falls outside."""
+  if dtype in ("pred", "i1"):
+    return 0, 1
+  if dtype.startswith(("i", "ui")) and dtype.lstrip("ui").isdigit():
+    bits = int(dtype.lstrip("ui"))
+    return (-(1 << bits - 1), (1 << bits - 1) - 1) if dtype[0] == "i" else (0, (1 << bits) - 1)
+  top = _EXACT_INTEGERS.get(dtype)
+  return None if top is None else (-top, top)
+
+
 def constant_array(value, dtype: str) -> ir.ConstantArray:
   """What a new ``constant`` op of IR type ``dtype`` holds: ``value`` cast to it.
   Formats numpy has no type for (the f8s) are kept in f32, as loaders keep them."""
@@ -71,11 +87,28 @@ def _round_afz(x):
   return np.sign(x) * np.floor(np.abs(x) + 0.5)
 
 
+def _integers(a, b) -> bool:
+  return np.issubdtype(a.dtype, np.integer) and np.issubdtype(b.dtype, np.integer)
+
+
 def _divide(a, b):
-  """Integer division truncates toward zero (C), not toward -inf (numpy ``//``)."""
-  if np.issubdtype(a.dtype, np.integer) and np.issubdtype(b.dtype, np.integer):
-    return (np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))).astype(a.dtype)
-  return np.divide(a, b)
+  """Integer division truncates toward zero (C), not toward -inf (numpy
+  ``//``); as XLA defines the rest, x / 0 is -1 (all ones, unsigned) and
+  INT_MIN / -1 wraps to INT_MIN (computed in 64 bits, wrapped back)."""
+  if not _integers(a, b):
+    return np.divide(a, b)
+  wide_a, wide_b = a.astype(np.int64), b.astype(np.int64)
+  safe = np.where(wide_b == 0, 1, wide_b)
+  q = np.sign(wide_a) * np.sign(safe) * (np.abs(wide_a) // np.abs(safe))
+  return np.where(wide_b == 0, -1, q).astype(a.dtype)
+
+
+def _remainder(a, b):
+  """The sign of the dividend, as in C; x % 0 is x, as XLA defines it."""
+  if not _integers(a, b):
+    return np.fmod(a, b)
+  safe = np.where(b == 0, 1, b)
+  return np.where(b == 0, a, np.fmod(a.astype(np.int64), safe.astype(np.int64))).astype(a.dtype)
 
 
 UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
@@ -94,7 +127,7 @@ UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "divide": _divide,
     "maximum": np.maximum, "minimum": np.minimum, "power": np.power,
-    "remainder": np.fmod,  # the sign of the dividend, as in C
+    "remainder": _remainder,
     "atan2": np.arctan2,
     "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,  # also on i1
 }

@@ -41,6 +41,16 @@ def _splat_broadcast(eg: EGraph, b: dict, node: ENode) -> Optional[ENode]:
   return None
 
 
+def _splat_converted(eg: EGraph, b: dict, node: ENode) -> Optional[ENode]:
+  """A converted splat holds its value as the convert casts it (0.5 in i32
+  is 0), if the cast is the reference's."""
+  for n in eg.nodes(b["?x"]):
+    if n.op == "splat":
+      value = terms.converted(n.head[1], node.head[2].dtype)
+      return None if value is None else ENode(terms.splat_head(value, node.head[2]))
+  return None
+
+
 def _clamp(eg: EGraph, b: dict, node: ENode) -> ENode:
   return ENode(terms.op_head("clamp", {}, node.head[2]), (b["?lo"], b["?x"], b["?hi"]))
 
@@ -57,7 +67,7 @@ NORMALIZATION_RULES = [
     Rule("broadcast-to-same-shape", ("broadcast_in_dim", "?x"), "?x", when=_same_type),
     Rule("broadcast-of-splat", ("broadcast_in_dim", "?x"), _splat_broadcast),
     Rule("reshape-of-splat", ("reshape", "?x"), _splat_broadcast),
-    Rule("convert-of-splat", ("convert", "?x"), _splat_broadcast),
+    Rule("convert-of-splat", ("convert", "?x"), _splat_converted),
     # GSPMD keeps a replicated scatter base on partition 0 only:
     # select(pid != 0, 0, base), and the base is itself 0.
     Rule("select-of-equal-branches", ("select", "?p", "?x", "?x"), "?x"),
@@ -193,7 +203,7 @@ class DistEGraph:
         for n in self.eg.nodes(c):
           if n.op == "splat":
             self._splat_types.setdefault((n.head[1], n.head[2].dtype), []).append(n.head[2])
-    return self._splat_types.get((terms.canonical_float(value), dtype), [])
+    return self._splat_types.get((terms.canonical_float(value, dtype), dtype), [])
 
   def lookup_splat(self, value: float, type: ir.TensorType) -> Optional[ClassId]:
     return self.eg.lookup(ENode(terms.splat_head(value, type)))

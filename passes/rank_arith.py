@@ -16,17 +16,35 @@ import numpy as np
 import sympy
 
 from graphguard_hlo import ir
-from graphguard_hlo.reference import COMPARISONS
+from graphguard_hlo.reference import COMPARISONS, type_bounds
 
 
 def broadcast_scalar(v: ir.Value) -> ir.Value:
-  """The one-element value a splat-shaped ``v`` broadcasts or reshapes."""
+  """The one-element value a splat-shaped ``v`` broadcasts or reshapes (or
+  converts to a type holding every value of its own)."""
   op = v.producer
   while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert") and \
-      math.prod(op.operands[0].shape) == 1:
+      math.prod(op.operands[0].shape) == 1 and (op.name != "convert" or _widens(op)):
     v = op.operands[0]
     op = v.producer
   return v
+
+
+def _widens(convert: ir.Op) -> bool:
+  """Does ``convert`` keep every value of its operand's type?"""
+  src, dst = convert.operands[0].type.dtype, convert.results[0].type.dtype
+  inner, outer = type_bounds(src), type_bounds(dst)
+  return src == dst or inner is not None and outer is not None and outer[0] <= inner[0] and \
+      inner[1] <= outer[1] and (src[0] not in "fb" or dst[0] in "fb")
+
+
+def held_exactly(values: np.ndarray, dtype: str) -> bool:
+  """Does a scalar of ``dtype`` hold each of ``values`` (its value at every
+  partition) exactly, as XLA computes it?"""
+  bounds = type_bounds(dtype)
+  values = np.asarray(values)
+  return bounds is not None and bool(
+      ((values >= bounds[0]) & (values <= bounds[1]) & (values == np.round(values))).all())
 
 
 def rank_symbol(axis: str) -> sympy.Symbol:
@@ -61,8 +79,29 @@ class RankArithmetic:
     result = self._eval(v)
     if result is None and math.prod(v.shape) == 1 and v.type.dtype.startswith(("i", "ui")):
       result = self._fitted(v)
+    if result is not None and not self._held_exactly(result, v.type.dtype):
+      result = None  # wraps or rounds at some partition
     self._memo[v.id] = result
     return result
+
+  def _held_exactly(self, e: sympy.Expr, dtype: str) -> bool:
+    """Is ``e`` within ``dtype``'s exact integers at every partition?"""
+    bounds = type_bounds(dtype)
+    if bounds is None:
+      return False
+    try:
+      found = self.range_of(e)
+    except (sympy.PolynomialError, TypeError, ValueError):
+      found = None
+    if found is None:  # not linear: evaluated at every partition
+      symbols = list(self.bounds)
+      if math.prod(b - a + 1 for a, b in self.bounds.values()) > 1 << 12:
+        return False
+      at = sympy.lambdify(symbols, e, "math")
+      grid = np.indices([b - a + 1 for a, b in self.bounds.values()]).reshape(len(symbols), -1)
+      values = [at(*map(int, point)) for point in grid.T]
+      found = min(values), max(values)
+    return bounds[0] <= found[0] and found[1] <= bounds[1]
 
   def rotated_tile(self, v: ir.Value, size: int) -> Optional[tuple[str, int]]:
     """(x, j) if the integer scalar ``v`` is ``size * ((r_x + j) mod |x|)`` on
@@ -128,8 +167,8 @@ class RankArithmetic:
       if arr.dtype.kind in "iub":
         return sympy.Integer(int(arr.reshape(-1)[0]))
       return None
-    if name in ("convert", "reshape", "broadcast_in_dim", "copy", "bitcast_convert"):
-      # Integer to float converts of small integers (positions) are exact.
+    if name in ("convert", "reshape", "broadcast_in_dim", "copy"):
+      # Exact where the result type holds the value (value() checks).
       return self.value(args[0])
     if name in ("add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum"):
       a, b = self.value(args[0]), self.value(args[1])
@@ -188,7 +227,15 @@ class RankArithmetic:
     return None
 
   def _floordiv(self, a: sympy.Expr, b: sympy.Expr) -> Optional[sympy.Expr]:
-    if not b.is_Integer or int(b) == 0:
+    """``a / b`` as XLA divides integers, truncating toward zero: the floor
+    forms below are that only where ``a`` is never negative and ``b`` > 0."""
+    if not b.is_Integer or int(b) <= 0:
+      return None
+    try:
+      low = self.range_of(a)
+    except (sympy.PolynomialError, TypeError, ValueError):
+      low = None
+    if low is None or low[0] < 0:
       return None
     q = sympy.expand(a / b)
     # Exact when every coefficient divides; otherwise only mixed radix splits.
@@ -321,19 +368,24 @@ def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None,
     else:
       args = [partition_id_table(a, n, memo, aliases) for a in op.operands]
       if all(a is not None for a in args):
-        out = apply_table_op(op.name, args)
+        out = apply_table_op(op.name, args, v.type.dtype)
+  if out is not None and not held_exactly(out, v.type.dtype):
+    out = None  # wraps or rounds at some partition, which int64 does not
   memo[v.id] = out
   return out
 
 
-def apply_table_op(name: str, args: list[np.ndarray]) -> Optional[np.ndarray]:
-  """An elementwise op of ``_TABLE_OPS`` on per-partition values (None on a
-  division by zero)."""
+def apply_table_op(name: str, args: list[np.ndarray], dtype: str) -> Optional[np.ndarray]:
+  """An elementwise op of ``_TABLE_OPS`` on per-partition values whose
+  result has type ``dtype`` (None on a division by zero).  The caller checks
+  the type holds the result."""
   if len(args) == 1:
     return {"negate": np.negative, "abs": np.abs, "sign": np.sign}.get(name, lambda a: a)(args[0])
   a, b = args
   if name in ("divide", "remainder") and np.any(b == 0):
     return None
+  if name == "divide" and dtype.startswith(("f", "bf")):
+    return a / b  # a float quotient: held exactly only if whole
   if name == "divide":
     return np.trunc(a / b).astype(np.int64)
   if name == "remainder":

@@ -53,7 +53,7 @@ from graphguard_hlo import ir
 from graphguard_hlo.reference import COMPARISONS
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.layout import Layout, tile_index
-from graphguard_hlo.passes.rank_arith import apply_table_op, partition_id_table
+from graphguard_hlo.passes.rank_arith import apply_table_op, held_exactly, partition_id_table
 
 MAX_RANKS = 64
 MAX_STEPS = 8
@@ -444,7 +444,12 @@ class RankTables:
   def _rank_splat(self, v: ir.Value) -> Optional[np.ndarray]:
     """Per partition, the one value a predicate splat holds: it is computed
     from the partition id, constants, broadcasts and iotas along unit dims
-    (a mask ``iota + offset < n`` over a one-row tile)."""
+    (a mask ``iota + offset < n`` over a one-row tile).  None where its type
+    would not hold it exactly (XLA wraps or rounds; int64 does not)."""
+    found = self._rank_splat_of(v)
+    return found if found is None or held_exactly(found, v.type.dtype) else None
+
+  def _rank_splat_of(self, v: ir.Value) -> Optional[np.ndarray]:
     op = v.producer
     if op is None:
       return None
@@ -465,4 +470,4 @@ class RankTables:
       return None if holds is None else np.asarray(holds(*args), dtype=np.int64)
     if op.name not in _ELEMENTWISE or len(args) != _ELEMENTWISE[op.name]:
       return None
-    return apply_table_op(op.name, args)
+    return apply_table_op(op.name, args, v.type.dtype)

@@ -73,11 +73,12 @@ def op_head(name: str, attrs: dict[str, Any], result_type: ir.TensorType,
 
 def splat_value(v: ir.Value) -> Optional[float]:
   """The scalar a value is filled with, if it is a constant splat (through
-  broadcasts, reshapes and converts)."""
+  broadcasts, reshapes and converts, each convert applied to it)."""
   op = v.producer
+  converts: list[str] = []  # the types converted to, outermost first
   while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert", "copy"):
-    if op.name == "convert" and (v.type.dtype.startswith("i") or v.type.dtype == "pred"):
-      break
+    if op.name == "convert":
+      converts.append(op.results[0].type.dtype)
     op = op.operands[0].producer
   if op is None or op.name != "constant" or not isinstance(op.attrs.get("value"), np.ndarray):
     return None  # complex constants are kept as text
@@ -89,23 +90,51 @@ def splat_value(v: ir.Value) -> Optional[float]:
   flat = arr.reshape(-1)
   if arr.size > 1 and not np.all(flat == flat[0]):
     return None
-  return float(flat[0])
+  return _converted(flat[0], converts[::-1])
+
+
+def converted(value: float, dtype: str) -> Optional[float]:
+  """A splat's ``value`` converted to ``dtype`` (None: see ``_converted``)."""
+  return _converted(np.float64(value), [dtype])
+
+
+def _converted(value: np.generic, dtypes: list[str]) -> Optional[float]:
+  """``value`` converted to each of ``dtypes`` in turn, as XLA converts; None
+  where that is not the reference's cast (a float out of an int's range:
+  XLA saturates it, numpy wraps)."""
+  from graphguard_hlo import reference
+  out = np.asarray(value)
+  for dtype in dtypes:
+    bounds = reference.type_bounds(dtype)
+    if out.dtype.kind == "f" and dtype != "pred" and dtype.startswith(("i", "ui")) and not (
+        np.isfinite(out) and bounds[0] <= np.trunc(out) <= bounds[1]):
+      return None
+    try:
+      out = reference.cast(out, dtype)
+    except NotImplementedError:
+      return None
+  return float(out)
 
 
 SPLAT_DIGITS = 7  # float32 carries ~7 significant digits
 
 
 def splat_head(value: float, type: ir.TensorType) -> Hashable:
-  """Splats are identified by value to float32 precision: ``(1/4)/16`` folded on
-  the devices and ``1/64`` folded sequentially are the same constant."""
-  return ("splat", canonical_float(value), type)
+  """Splats are identified by value: integers exactly, floats to float32
+  precision (``(1/4)/16`` folded on the devices and ``1/64`` folded
+  sequentially are the same constant)."""
+  return ("splat", canonical_float(value, type.dtype), type)
 
 
 _NAN = float("nan")  # one NaN object: NaN != NaN, but a tuple holding it equals itself
 
 
-def canonical_float(value: float) -> float:
-  return _NAN if math.isnan(value) else float(f"{value:.{SPLAT_DIGITS}g}")
+def canonical_float(value: float, dtype: str) -> float:
+  if math.isnan(value):
+    return _NAN
+  if dtype == "pred" or dtype.startswith(("i", "ui")):
+    return float(value)  # exact: rounding would make 10000001 and 10000000 one constant
+  return float(f"{value:.{SPLAT_DIGITS}g}")
 
 
 def fold_scalar(name: str, attrs: dict, values: list[float], type: ir.TensorType

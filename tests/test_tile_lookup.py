@@ -119,18 +119,19 @@ def _masked_lookup(clip=True, first=0, offset=0, mask_rows=True, local_rows=True
   return local
 
 
-def _verify(local, seq=_take):
+def _verify(local, seq=_take, rows=V):
   mesh = _mesh()
   ids = jax.ShapeDtypeStruct((2, 8), jnp.int32, sharding=NamedSharding(mesh, P()))
-  table = jax.ShapeDtypeStruct((V, D), jnp.float32, sharding=NamedSharding(mesh, P("tp", None)))
+  table = jax.ShapeDtypeStruct((rows, D), jnp.float32,
+                               sharding=NamedSharding(mesh, P("tp", None)))
   dist = shard_map(local, mesh=mesh, in_specs=(P(), P("tp", None)), out_specs=P())
   seq_module = lower_sequential(seq, jax.ShapeDtypeStruct((2, 8), jnp.int32),
-                                jax.ShapeDtypeStruct((V, D), jnp.float32))
+                                jax.ShapeDtypeStruct((rows, D), jnp.float32))
   return verify_modules(seq_module, lower_distributed(dist, ids, table)), dist
 
 
-def _outputs_differ(dist, seq, ids):
-  table = np.random.default_rng(0).standard_normal((V, D)).astype(np.float32)
+def _outputs_differ(dist, seq, ids, rows=V):
+  table = np.random.default_rng(0).standard_normal((rows, D)).astype(np.float32)
   sharded = jax.device_put(table, NamedSharding(_mesh(), P("tp", None)))
   return not np.allclose(np.asarray(jax.jit(seq)(ids, table)),
                          np.asarray(jax.jit(dist)(ids, sharded)))
@@ -176,6 +177,41 @@ def test_near_misses_are_not_proved(near_miss, words):
   assert result.failure.op_name == "gather" and words in result.failure.diagnosis, result
   ids = np.array([[-3, 0, 3, 4, 7, 8, 15, 19]] * 2, np.int32)
   assert _outputs_differ(dist, _take, ids)
+
+
+def _lookup_at(offset_of, keep=lambda ids: True, index_of=lambda ids, lo: ids - lo):
+  """The masked lookup with the rank's first row ``offset_of(rank, rows)``,
+  the mask also requiring ``keep(ids)``, the local row ``index_of(ids, lo)``."""
+  def local(given, table):
+    n = table.shape[0]
+    ids = jnp.clip(given, 0, n * N - 1)
+    lo = offset_of(lax.axis_index("tp"), n)
+    mine = (ids >= lo) & (ids < lo + n) & keep(given)
+    rows = jnp.take(table, jnp.where(mine, index_of(ids, lo), 0), axis=0, mode="clip")
+    return lax.psum(jnp.where(mine[..., None], rows, 0.0), "tp")
+  return local
+
+
+PAD = np.iinfo(np.int32).max
+
+
+@pytest.mark.parametrize("rows, local, exact", [
+    # r * n through int8: exact for 16 rows (4 a rank); for 256 (64 a rank)
+    # it wraps to 0, 64, -128, -64.
+    (V, _lookup_at(lambda r, n: (r * n).astype(jnp.int8).astype(jnp.int32)), True),
+    (256, _lookup_at(lambda r, n: (r * n).astype(jnp.int8).astype(jnp.int32)), False),
+    # constants 7 significant digits would round together: ids - lo + 1.
+    (V, _lookup_at(lambda r, n: r * n,
+                   index_of=lambda ids, lo: (ids + 10_000_001) - (10_000_000 + lo)), False),
+    # a padding id (int32 max) masked out, which the sequential clamp keeps.
+    (V, _lookup_at(lambda r, n: r * n, keep=lambda ids: ids != PAD), False),
+], ids=["offset_in_int8", "offset_wrapping_in_int8", "offset_by_large_constants",
+        "pad_id_masked"])
+def test_offsets_and_masks_are_read_as_their_types_hold_them(rows, local, exact):
+  result, dist = _verify(local, rows=rows)
+  ids = np.array([[0, 3, 4, 63, 64, 130, 200, PAD]] * 2, np.int32)
+  assert _outputs_differ(dist, _take, ids, rows) != exact
+  assert result.refines == exact, result
 
 
 def test_unmasked_rows_are_not_a_tile_lookup():
