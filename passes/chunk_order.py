@@ -286,7 +286,7 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, me
   env = {source.id: [rows] * len(coords)}
   Interpreter(len(coords)).run_ops(ops, env)
   held = env.get(root.results[0].id)
-  if held is None or not _taken_as_declared(ops, env, source):
+  if held is None or not _probe_is_faithful(ops, env, source):
     return None
   at = {}
   for coord, tile in zip(coords, held):
@@ -306,16 +306,40 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, me
   return chunk_tiling(at, mesh, shape[d])
 
 
-def _taken_as_declared(ops: list[ir.Op], env: dict, source: ir.Value) -> bool:
-  """Does every bounds mask (a select between elements of ``source`` and a
-  fill splat) pick the elements at every rank, and every gather declaring
-  its indices sorted have them so?  A fill picked would read as whatever
-  element its value names, were it an id; a gather breaking what it
-  declares computes what XLA's implementation makes of it."""
-  moved = {source.id}
+def integer_arithmetic(op: ir.Op) -> bool:
+  """Does ``op`` compute integers from integers?  The reference interpreter
+  computes those as XLA does; float ops it may not (a transcendental off by
+  an ulp, a float-to-int convert wrapping where XLA saturates), and an
+  offset or predicate computed from them could differ."""
+  return all(v.type.dtype == "pred" or v.type.dtype.startswith(("i", "ui"))
+             for v in (*op.operands, *op.results))
+
+
+def _probe_is_faithful(ops: list[ir.Op], env: dict, source: ir.Value) -> bool:
+  """Did the probe compute what the program computes at every rank?
+
+  * Every op reading ``source``'s elements moves them (``_MOVES``), and only
+    as data: an offset, index or predicate computed from them would have
+    been computed from the probe's ids instead.
+  * Every other op is integer arithmetic, or a float splat (a fill).
+  * Every bounds mask (a select between moved elements and a fill splat)
+    picks the elements at every rank: a fill picked would read as whatever
+    element its value names, were it an id.
+  * Every gather declaring its indices sorted has them so (XLA may rely on
+    it)."""
+  moved, splats = {source.id}, set()
   for op in ops:
     if not any(v.id in moved for v in op.operands):
-      continue  # indices, predicates
+      float_splat = op.name == "constant" or op.name in ("broadcast_in_dim", "reshape") and \
+          op.operands[0].id in splats
+      if float_splat and not integer_arithmetic(op):
+        splats.update(v.id for v in op.results)
+      elif not integer_arithmetic(op):
+        return False
+      continue
+    data = _MOVES.get(op.name, ())
+    if any(v.id in moved and not (data is None or k in data) for k, v in enumerate(op.operands)):
+      return False
     moved.update(v.id for v in op.results)
     if op.name == "gather" and op.attrs.get("indices_are_sorted") and not all(
         reference.indices_sorted(i, reference.dimension_numbers(op.attrs["dimension_numbers"])[

@@ -40,7 +40,7 @@ import numpy as np
 
 from graphguard_hlo import ir, reference
 from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords, replica_groups
-from graphguard_hlo.passes.chunk_order import chunk_tiling, rank_cone
+from graphguard_hlo.passes.chunk_order import chunk_tiling, integer_arithmetic, rank_cone
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.layout import Layout, tile_index
 from graphguard_hlo.passes.rank_arith import broadcast_scalar
@@ -206,7 +206,7 @@ class WriteBacks:
   def _scalars(self, op: ir.Op, ranks: int) -> Optional[list[list]]:
     """The op's offsets, predicate or indices at every rank (one list per rank)."""
     if op.name == "select":
-      values = [broadcast_scalar(op.operands[0])]
+      values = [op.operands[0]]  # a splat (_follows): the first element is all of it
     elif op.name == "dynamic_slice":
       values = [op.operands[1 + k] for k in range(op.operands[0].type.rank)]
     elif op.name == "dynamic_update_slice":
@@ -216,7 +216,7 @@ class WriteBacks:
     else:
       return [[] for _ in range(ranks)]
     cones = [rank_cone(v.producer) if v.producer is not None else None for v in values]
-    if None in cones:
+    if None in cones or not all(integer_arithmetic(op) for cone in cones for op in cone):
       return None
     env: dict = {}
     # The offsets share most of their cone (the rank's coordinates): run it once.
@@ -304,7 +304,7 @@ def _moved(op: ir.Op, args: list, scalars: list) -> np.ndarray:
     return _summed(rows_of(0), rows_of(1))
   if name == "select":
     (pred,) = scalars
-    return rows_of(1) if bool(pred) else rows_of(2)
+    return rows_of(1) if bool(np.asarray(pred).reshape(-1)[0]) else rows_of(2)
   if name == "slice":
     start, limit = attrs["start_indices"], attrs["limit_indices"]
     strides = attrs.get("strides") or [1] * len(start)

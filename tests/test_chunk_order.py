@@ -195,6 +195,46 @@ def test_chunks_taken_late_first_are_proved_unless_declared_sorted(declared_sort
   assert verify(_loss, dist, X, W).refines == (not declared_sorted)
 
 
+def _cut_by_data(x, form):
+  """Zig-zag chunks at offsets, indices or a predicate that also read the
+  data (shifted one row, or chunk, or swapped where x[0, 0] > 0): the probe,
+  which runs on ids, would see one shift only."""
+  r, size = lax.axis_index("cp"), x.shape[0] // 8
+  shift = (x[0, 0] > 0).astype(jnp.int32)
+  if form == "offset":
+    return jnp.concatenate([lax.dynamic_slice_in_dim(x, r * size + shift, size, 0),
+                            lax.dynamic_slice_in_dim(x, (7 - r) * size, size, 0)])
+  if form == "index":
+    chunks = x.reshape((8, size) + x.shape[1:])
+    return jnp.take(chunks, (jnp.stack([r, 7 - r]) + shift) % 8, axis=0).reshape(x.shape[0] // 4, -1)
+  early = lax.dynamic_slice_in_dim(x, r * size, size, 0)
+  late = lax.dynamic_slice_in_dim(x, (7 - r) * size, size, 0)
+  flip = x[0, 0] > 0
+  return jnp.concatenate([jnp.where(flip, late, early), jnp.where(flip, early, late)])
+
+
+def _weighted_by_position(x, w):
+  return jnp.sum(jnp.tanh(x @ w) * jnp.arange(x.shape[0], dtype=jnp.float32)[:, None])
+
+
+@pytest.mark.parametrize("form", ["offset", "index", "predicate"])
+def test_chunks_cut_at_offsets_read_from_the_data_are_not_proved(form):
+  def local(x, w):
+    positions = _zigzag(jnp.arange(x.shape[0], dtype=jnp.float32))
+    return lax.psum(jnp.sum(jnp.tanh(_cut_by_data(x, form) @ w) * positions[:, None]), "cp")
+  dist = shard_map(local, mesh=MESH, in_specs=(P(), P()), out_specs=P())
+  assert not _agree(_weighted_by_position, dist, X, W)
+  assert not verify(_weighted_by_position, dist, X, W).refines
+
+
+def test_chunks_cut_at_offsets_from_the_rank_alone_are_proved():
+  dist = shard_map(lambda x, w: lax.psum(jnp.sum(jnp.tanh(_zigzag(x) @ w) * _zigzag(
+      jnp.arange(x.shape[0], dtype=jnp.float32))[:, None]), "cp"),
+      mesh=MESH, in_specs=(P(), P()), out_specs=P())
+  assert _agree(_weighted_by_position, dist, X, W)
+  assert verify(_weighted_by_position, dist, X, W).refines
+
+
 def test_chunks_of_a_long_bfloat16_sequence_taken_by_index_are_proved():
   # 1024 rows of bf16 (which holds integers exactly only to 256): the probe's
   # ids are int64 whatever the value's type.

@@ -315,3 +315,25 @@ def test_a_scatter_whose_indices_break_what_it_declares_is_not_proved(declared):
   dist = shard_map(local, mesh=MESH, in_specs=(P(),), out_specs=P())
   assert outputs_agree(_seq, dist, T)
   assert not verify(_seq, dist, T).refines
+
+
+@pytest.mark.parametrize("shift", ["exp", "convert"])
+def test_offsets_computed_through_floats_are_not_proved(shift):
+  # 1.0 computed from the rank, then a float op whose result numpy and XLA
+  # round differently: exp(2.944439) is 19.0 on XLA's CPU and 18.999998 in
+  # numpy (floored: 19 or 18); 3e9 converted to i32 saturates in XLA and
+  # wraps in numpy.  Either shifts the write-back by one row on device.
+  def offset_shift():
+    one = (lax.axis_index("cp") >= 0).astype(jnp.float32)
+    if shift == "exp":
+      return jnp.floor(jnp.exp(np.float32(2.944439) * one)).astype(jnp.int32) - 18
+    return ((3e9 * one).astype(jnp.int32) > 0).astype(jnp.int32)
+
+  def local(t):
+    rows, out = _seq(_cut(t, ZIGZAG)), jnp.zeros_like(t)
+    for j in range(2):
+      out = lax.dynamic_update_slice_in_dim(out, rows[2 * j:2 * j + 2],
+                                            _chunk_number(ZIGZAG, j) * 2 + offset_shift(), 0)
+    return lax.psum(out, "cp")
+  result = _not_proved(local)
+  assert result.failure.op_name == "output"
