@@ -141,8 +141,9 @@ class SumRegrouping:
       # Pinned alike, the sum is known at the pins; zero elsewhere if both are.
       zeros = ra.layout.zero_elsewhere and rb.layout.zero_elsewhere
       layout = ra.layout.with_(zero_elsewhere=zeros)
-      if layout != rb.layout.with_(zero_elsewhere=zeros) or not layout.is_plain():
-        continue
+      if layout != rb.layout.with_(zero_elsewhere=zeros) or not layout.is_plain() or (
+          layout.partial and layout.partial_kind != "sum"):
+        continue  # (partial maxima do not add: max(a) + max(b) is no max of a + b)
       cls = self._added(a, ra, rb)
       if cls is None:
         continue

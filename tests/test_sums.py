@@ -11,10 +11,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax, shard_map
 from jax.sharding import PartitionSpec as P
 
 from graphguard_hlo.api import verify
+from tests.numbers import outputs_agree
 from tools.zoo.cases import mesh_of
 
 MESH = mesh_of((4,), ("tp",))
@@ -150,3 +152,20 @@ def test_a_tile_divided_by_an_unreduced_partial_sum_is_not_proved():
   fixed = shard_map(lambda a, c: a / lax.psum(jnp.sum(c), "tp"), mesh=MESH,
                     in_specs=(P(None, "tp"), P("tp")), out_specs=P(None, "tp"))
   assert verify(seq, fixed, ARGS[0], ARGS[2]).refines
+
+
+@pytest.mark.parametrize("reduce, proved", [("pmax_each", True), ("pmax_of_the_sum", False)])
+def test_partial_maxima_are_never_added(reduce, proved):
+  # max(a) + max(b) over columns split over tp: each pmax'd, then added; or
+  # added first and the sum pmax'd, which is max_r(a_r + b_r), no sum of maxima.
+  def seq(x, w):
+    return jnp.max(x, axis=1) + jnp.max(w, axis=1)
+
+  def local(x, w):
+    if reduce == "pmax_each":
+      return lax.pmax(jnp.max(x, axis=1), "tp") + lax.pmax(jnp.max(w, axis=1), "tp")
+    return lax.pmax(jnp.max(x, axis=1) + jnp.max(w, axis=1), "tp")
+  dist = shard_map(local, mesh=MESH, in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P())
+  x = jnp.zeros((8, 16))
+  assert outputs_agree(seq, dist, x, x) == proved
+  assert verify(seq, dist, x, x).refines == proved
