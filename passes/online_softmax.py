@@ -25,13 +25,18 @@ after, so both programs get
 
   (p / l) @ v                             -> (p @ v) / l      (l scales rows of p)
 
-Each is an identity of real arithmetic on finite values (the first needs
-``exp(m - m')`` finite, which it is for any finite ``m'``); tested numerically
-in ``tests/test_online_softmax.py``.
+Each is an identity of real arithmetic on finite values, and needs the new
+max ``m'`` finite: where a row of every block so far is masked with -inf,
+``m' = -inf`` and the program computes ``exp(-inf + inf) = NaN`` (flash
+attention's classic bug), which no rewrite may hide.  So a step whose scores
+are masked, biased or padded with an infinite constant is not rewritten
+(``_max_may_be_infinite``); a finite mask value (-1e9) keeps ``m'`` finite.
+Tested numerically in ``tests/test_online_softmax.py``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from graphguard_hlo import ir
@@ -171,6 +176,35 @@ def _rescalable(scale, x: ir.Value, depth: int = 0) -> bool:
   return _telescoped_term(scale, x) is not None
 
 
+# Ops through which an infinite mask value reaches a row max (and where it
+# is met: a select's or pad's fill, an added bias).
+_TO_THE_MAX = ("maximum", "reduce", "broadcast_in_dim", "reshape", "convert", "transpose",
+               "copy", "select", "add", "subtract", "multiply", "divide", "negate", "pad")
+
+
+def _max_may_be_infinite(m_new: ir.Value, budget: int = 256) -> bool:
+  """Could a row of ``m_new`` be -inf (or +inf)?  Yes if an infinite constant
+  masks, biases or pads the scores it is the max of."""
+  from graphguard_hlo.passes.terms import splat_value
+  seen, work = set(), [m_new]
+  while work and budget > 0:
+    v = work.pop()
+    op = v.producer
+    if op is None or id(op) in seen or op.name not in _TO_THE_MAX:
+      continue
+    seen.add(id(op))
+    budget -= 1
+    met = {"select": (1, 2), "pad": (1,), "add": (0, 1), "subtract": (0, 1)}.get(op.name, ())
+    for k, x in enumerate(op.operands):
+      value = splat_value(x)
+      if value is not None:
+        if k in met and math.isinf(value):
+          return True
+        continue
+      work.append(x)
+  return budget <= 0  # not seen to the end: assume it may
+
+
 def online_rescale(module, graph, op: ir.Op) -> Optional[ir.Value]:
   """``exp(m - m') * t`` for t zero, a sum, or a telescoped term (see above)."""
   from graphguard_hlo.passes.canonicalize import _emit, _fresh, _simplified_and_placed
@@ -179,7 +213,7 @@ def online_rescale(module, graph, op: ir.Op) -> Optional[ir.Value]:
     return None
   for scale_v, x in (op.operands, op.operands[::-1]):
     scale = _row_scale(scale_v)
-    if scale is None:
+    if scale is None or _max_may_be_infinite(scale[1]):
       continue
     if splat_value(x) == 0.0 and x.type == op.results[0].type:
       return x

@@ -1,0 +1,71 @@
+"""Ring attention masked with -inf: where a row of every block so far is
+masked, the running max is -inf and the program computes exp(-inf + inf) =
+NaN (flash attention's classic bug).  The online softmax's telescoping is an
+identity only for a finite max, so such steps are not rewritten
+(``online_softmax._max_may_be_infinite``); a finite mask (-1e9) is proved."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax, shard_map
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from graphguard_hlo.api import verify
+from tools.zoo.cases import mesh_of
+
+MESH = mesh_of((4,), ("cp",))
+B, T, H, HD = 1, 8, 1, 4
+
+
+def _attention(mask_value):
+  def seq(q, k, v):
+    scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(2.0)
+    scores = jnp.where(jnp.tril(jnp.ones((T, T), dtype=bool)), scores, mask_value)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhst,bthd->bshd", probs, v).reshape(B, T, H * HD)
+  return seq
+
+
+def _ring(mask_value):
+  """Online-softmax ring attention whose k/v are passed on once before the
+  first step: rank r starts on key block r - 1, which for rank 0 is wholly
+  masked (correct in real arithmetic; NaN with an infinite mask)."""
+  def local(q, k, v):
+    b, s, h, hd = q.shape
+    n, r = lax.axis_size("cp"), lax.axis_index("cp")
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    k, v = lax.ppermute(k, "cp", perm), lax.ppermute(v, "cp", perm)
+    m = jnp.full((b, h, s), -jnp.inf, jnp.float32)
+    l, o = jnp.zeros((b, h, s), jnp.float32), jnp.zeros((b, h, s, hd), jnp.float32)
+    for t in range(n):
+      rows = jnp.arange(s, dtype=jnp.int32) + r * s
+      cols = jnp.arange(s, dtype=jnp.int32) + ((r - t - 1) % n) * s
+      scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(2.0)
+      scores = jnp.where(rows[:, None] >= cols[None, :], scores, mask_value)
+      m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+      rescale = jnp.exp(m - m_new)
+      p = jnp.exp(scores - m_new[..., None])
+      l = rescale * l + jnp.sum(p, axis=-1)
+      o = rescale[..., None] * o + jnp.einsum("bhst,bthd->bhsd", p, v)
+      m = m_new
+      if t < n - 1:
+        k, v = lax.ppermute(k, "cp", perm), lax.ppermute(v, "cp", perm)
+    return (o / l[..., None]).transpose(0, 2, 1, 3).reshape(b, s, h * hd)
+  spec = P(None, "cp")
+  return jax.jit(shard_map(local, mesh=MESH, in_specs=(spec,) * 3, out_specs=spec))
+
+
+@pytest.mark.parametrize("mask_value, proved", [(-1e9, True), (-np.inf, False)],
+                         ids=["finite_mask", "infinite_mask"])
+def test_a_ring_masked_with_minus_infinity_is_proved_only_if_finite(mask_value, proved):
+  seq, dist = _attention(mask_value), _ring(mask_value)
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((B, T, H, HD)).astype(np.float32) for _ in range(3))
+  assert np.allclose(np.asarray(dist(q, k, v)), np.asarray(seq(q, k, v)), atol=1e-5) == proved
+  z = jax.ShapeDtypeStruct((B, T, H, HD), np.float32, sharding=NamedSharding(MESH, P(None, "cp")))
+  assert verify(seq, dist, z, z, z).refines == proved
