@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from graphguard_hlo import ir
+from graphguard_hlo import ir, reference
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 
@@ -61,8 +61,10 @@ def counter_of(loop: ir.Op) -> Optional[tuple[int, int]]:
   x, bound = cmp.operands
   n = terms.splat_value(bound)
   i = next((j for j, p in enumerate(cond.params) if p is x), None)
-  if n is None or i is None:
-    return None
+  held = reference.type_bounds(x.type.dtype)
+  if n is None or i is None or x.type.dtype[0] not in "iu" or held is None or n != int(n) \
+      or not held[0] <= n <= held[1]:
+    return None  # a float counter runs ceil(n) steps; a bound its type cannot reach, forever
   step = body.results[i].producer if i < len(body.results) else None
   if step is None or step.name != "add" or terms.splat_value(loop.operands[i]) != 0:
     return None

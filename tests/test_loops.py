@@ -4,6 +4,7 @@ loop body are reported at their op."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -146,3 +147,32 @@ def test_each_loop_region_builds_its_per_device_egraph_once(monkeypatch):
   assert result.refines, result
   assert rounds.count(1) >= 2  # the body, related in more than one round
   assert len(built) == len(set(built)) == 3  # main, the loop's body and condition
+
+
+def test_a_float_counter_is_no_trip_count():
+  """A float counter 0, 1, ... while < 1.5 runs twice: read as one trip, the
+  counter would be 0 in the body, and adding it a no-op."""
+  def loop(with_counter):
+    def run(x):
+      step = lambda c: (c[0] + 1.0, jnp.tanh(c[1] + c[0] if with_counter else c[1]))
+      return jax.lax.while_loop(lambda c: c[0] < 1.5, step, (jnp.float32(0), x))[1]
+    return run
+  dist = shard_map(loop(False), mesh=MESH, in_specs=(P("tp"),), out_specs=P("tp"))
+  x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+  assert not np.allclose(jax.jit(dist)(x), loop(True)(x))
+  assert not gg.verify(loop(True), dist, jnp.zeros((8, 16))).refines
+
+
+@pytest.mark.parametrize("bound, proved", [(4, True), (4.5, False)])
+def test_a_ring_loop_under_a_float_bound_is_not_unrolled(bound, proved):
+  # 4 steps round a ring of 4 are the identity; a float bound of 4.5 runs 5.
+  perm = [(i, (i + 1) % 4) for i in range(4)]
+
+  def local(x):
+    counter = jnp.zeros((), jnp.int32 if isinstance(bound, int) else jnp.float32)
+    return jax.lax.while_loop(lambda c: c[0] < bound, lambda c: (
+        c[0] + 1, jax.lax.ppermute(c[1], "tp", perm)), (counter, x))[1]
+  dist = shard_map(local, mesh=MESH, in_specs=(P("tp"),), out_specs=P("tp"))
+  x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+  assert np.allclose(jax.jit(dist)(x), x) == proved
+  assert gg.verify(lambda x: x, dist, jnp.zeros((8, 16))).refines == proved
