@@ -37,6 +37,8 @@ import math
 from typing import Optional
 
 from graphguard_hlo import ir
+from graphguard_hlo.passes.collectives import reducer_kind
+from graphguard_hlo.passes.terms import splat_value
 
 # Ops applied piece by piece along any dim they map one to one.
 _ROWWISE_ELEMENTWISE = frozenset({
@@ -93,8 +95,9 @@ def dim_map(op: ir.Op, k: int, d: int) -> Optional[tuple[int, bool]]:
     return None
   if name == "reduce" and k == 0 and len(op.operands) == 2:  # one input, its init
     dims = tuple(attrs["dimensions"])
-    if d in dims:
-      return None, True
+    if d in dims:  # combined in any order: only by a commutative, associative reducer
+      return (None, True) if op.regions and reducer_kind(op.regions[0]) in (
+          "sum", "max", "min", "mul") else None
     return d - sum(1 for x in dims if x < d), False
   if name == "dot_general":
     lb, rb, lc, rc = (tuple(attrs[k]) for k in ("lhs_batch", "rhs_batch",
@@ -212,6 +215,9 @@ class Pieces:
     if mapped is None:
       return
     e, summed = mapped
+    if summed and op.name == "reduce" and not (
+        reducer_kind(op.regions[0]) == "sum" and splat_value(op.operands[1]) == 0.0):
+      return  # the pieces' results add up only for a sum from 0 (not a max; no init twice)
     # Every other operand: split alike along its partner dim, a splat, or
     # (a dot's other side, a reduce's init) not meeting the dim at all.
     per_operand = []

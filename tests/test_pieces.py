@@ -9,6 +9,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax, shard_map
 from jax.sharding import PartitionSpec as P
 
@@ -132,3 +133,23 @@ def test_every_piece_relation_holds_numerically():
   result, check = verify_and_check(seq, dist)
   assert result.refines and check.ok and check.unknown == 0, check.failures[:3]
   assert check.checked > 0
+
+
+def _reduce_from(init):
+  return lambda y: lax.reduce(y, np.float32(init), lax.add, (0,))
+
+
+@pytest.mark.parametrize("reduce, combine, proved", [
+    (lambda y: jnp.sum(y, axis=0), jnp.add, True),
+    (lambda y: jnp.max(y, axis=0), jnp.add, False),     # maxima added
+    (_reduce_from(1.0), jnp.add, False),                 # the init counted once a piece
+], ids=["sums_added", "maxima_added", "init_twice"])
+def test_a_reduce_over_pieces_combines_as_its_reducer(reduce, combine, proved):
+  def seq(x, w):
+    return reduce(jnp.tanh(x @ w))
+  dist = shard_map(lambda x, w: combine(reduce(jnp.tanh(x[:4] @ w)), reduce(jnp.tanh(x[4:] @ w))),
+                   mesh=MESH, in_specs=(P(), P()), out_specs=P())
+  rng = np.random.default_rng(0)
+  x, w = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(2))
+  assert np.allclose(jax.jit(dist)(x, w), seq(x, w), atol=1e-5) == proved
+  assert verify(seq, dist, jnp.zeros((8, 8)), jnp.zeros((8, 8))).refines == proved
