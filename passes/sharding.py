@@ -324,4 +324,11 @@ def axes_of_pairs(pairs: Sequence[tuple[int, int]], mesh: Mesh
     if perm.get(a[axis], a[axis]) != a[axis]:
       return None
     perm[a[axis]] = a[axis]
+  # Applied along the axis at every coordinate of the others: a rank left out
+  # receives zeros, which no permutation of the axis gives.
+  given = {(int(s), int(d)) for s, d in pairs}
+  expected = {(int(d), int(devices[c[:axis] + (perm[c[axis]],) + c[axis + 1:]]))
+              for c, d in np.ndenumerate(devices) if c[axis] in perm}
+  if given != expected:
+    return None
   return names[axis], perm

@@ -195,3 +195,13 @@ def test_partition_id_table_is_the_value_on_each_partition():
   # Anything read from a parameter is not a partition-id table.
   x = m.new_value(ir.TensorType((), "ui32"), name="x")
   assert partition_id_table(_op(m, g, "add", [pid, x], "ui32"), 8) is None
+
+
+def test_a_permute_some_ranks_sit_out_is_no_axis_permutation():
+  # A cycle along b among the a = 0 ranks only: the a = 1 ranks receive
+  # nothing (zeros), which no permutation of b's coordinates gives.
+  mesh = ir.Mesh((("a", 2), ("b", 4)))
+  cycle = [(0, 1), (1, 2), (2, 3), (3, 0)]
+  assert shd.axes_of_pairs(cycle, mesh) is None
+  both = cycle + [(4 + s, 4 + d) for s, d in cycle]
+  assert shd.axes_of_pairs(both, mesh) == ("b", {0: 1, 1: 2, 2: 3, 3: 0})
