@@ -123,6 +123,8 @@ class ZeroFacts:
       for i in group:
         zero = intersect(zero, facts[i])
       found |= zero
+    if name == "divide":  # 0 / 0 is no zero: not where the divisor is known zero anywhere
+      found = {p for p in found if all(_meet(p, q) is None for q in facts[1])}
     return _minimal(found)
 
   def _select(self, op: ir.Op) -> frozenset:
