@@ -100,6 +100,8 @@ class WriteBacks:
       return []
     out = []
     for source in self._index.get(cls, ()):
+      if tuple(source.shape) != tuple(tile):
+        continue  # (a unit dim dropped or added: rows would be named off the wrong dims)
       for k in range(source.type.rank):
         for root, held in (self._probe(source, k) or {}).items():
           new = self._layout_of(held, layout, k, tile)

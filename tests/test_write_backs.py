@@ -337,3 +337,17 @@ def test_offsets_computed_through_floats_are_not_proved(shift):
     return lax.psum(out, "cp")
   result = _not_proved(local)
   assert result.failure.op_name == "output"
+
+
+def test_a_source_whose_tile_has_other_dims_is_passed_over():
+  # The rows' source here is a [1, 4] max whose sequential value keeps its
+  # unit dim differently (once crashed naming rows off a dim the tile lacks).
+  mesh = mesh_of((2, 4), ("a", "b"))
+
+  def seq(x):
+    return jnp.max(x, 0, keepdims=True)
+  dist = shard_map(lambda x: lax.psum(lax.pmax(jnp.max(x, 0, keepdims=True), "b"), "a") * 0.5,
+                   mesh=mesh, in_specs=(P("b"),), out_specs=P(), check_vma=False)
+  x = jnp.zeros((8, 4))
+  assert outputs_agree(seq, dist, x)
+  assert verify(seq, dist, x).refines
