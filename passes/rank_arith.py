@@ -107,8 +107,8 @@ class RankArithmetic:
     """(x, j) if the integer scalar ``v`` is ``size * ((r_x + j) mod |x|)`` on
     every partition: the offset of tile ``r_x + j``, where a ring that moved
     tiles ``-j`` steps writes what it received."""
-    if math.prod(v.shape) != 1 or not v.type.dtype.startswith(("i", "ui")):
-      return None
+    if math.prod(v.shape) != 1 or type_bounds(v.type.dtype) is None:
+      return None  # (a float too: RoPE's positions; the table checks it holds them)
     try:
       self.partition_id()  # coordinates below assume iota device order
     except NotImplementedError:
