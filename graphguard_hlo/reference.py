@@ -61,12 +61,19 @@ def cast(x: np.ndarray, dtype: str) -> np.ndarray:
 _EXACT_INTEGERS = {"f16": 1 << 11, "bf16": 1 << 8, "f32": 1 << 24, "f64": 1 << 53}
 
 
+def is_integer_type(dtype: str) -> bool:
+  """Is ``dtype`` a signed or unsigned integer type?  Booleans count, under
+  both their names (StableHLO's ``i1``, HLO's ``pred``), so a module reads the
+  same whichever form it was dumped in."""
+  return dtype == "pred" or (dtype.startswith(("i", "ui")) and dtype.lstrip("ui").isdigit())
+
+
 def type_bounds(dtype: str) -> Optional[tuple[int, int]]:
   """The integers a scalar of ``dtype`` holds exactly, as (lowest, highest);
   None for other types.  XLA wraps, rounds or saturates what falls outside."""
   if dtype in ("pred", "i1"):
     return 0, 1
-  if dtype.startswith(("i", "ui")) and dtype.lstrip("ui").isdigit():
+  if is_integer_type(dtype):
     bits = int(dtype.lstrip("ui"))
     return (-(1 << bits - 1), (1 << bits - 1) - 1) if dtype[0] == "i" else (0, (1 << bits) - 1)
   top = _EXACT_INTEGERS.get(dtype)
@@ -470,7 +477,7 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
     return scatter(xs[0], xs[1], xs[2], attrs, attrs["gg.reduction"])
   if name == "chlo.top_k":  # two results: the values, or (an int type) their positions
     values, positions = top_k(xs[0], attrs["k"])
-    return positions if result_type.dtype.startswith(("i", "ui")) else values
+    return positions if is_integer_type(result_type.dtype) else values
   if name == "gg.tile_gather":
     if coords is None:
       raise NotImplementedError("reference: gg.tile_gather needs the rank's coordinates")

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from graphguard_hlo import ir
+from graphguard_hlo import ir, reference
 from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords
 from graphguard_hlo.passes.layout import Layout, assemble, shard
 
@@ -50,7 +50,7 @@ class RelationCheck:
 def random_value(t: ir.TensorType, rng: np.random.Generator) -> np.ndarray:
   if t.dtype in ("pred", "i1"):
     return rng.integers(0, 2, t.shape).astype(bool)
-  if t.dtype.startswith(("i", "ui")):
+  if reference.is_integer_type(t.dtype):
     return rng.integers(0, INT_HIGH, t.shape).astype(np.int64)
   return rng.standard_normal(t.shape) * 0.5
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-from graphguard_hlo import ir
+from graphguard_hlo import ir, reference
 from graphguard_hlo.passes import online_softmax, slabs, softmax_backward
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 
@@ -341,7 +341,8 @@ def _offset_before_broadcast(module, graph, op) -> Optional[ir.Value]:
   offset at all.  Adding it first leaves the positions as one value, the tile
   of the sequential iota (``Transfer.offset_iotas``).  Integer index
   arithmetic only: floats keep the order they were written in."""
-  if op.name != "add" or len(op.operands) != 2 or op.results[0].type.dtype[0] not in "iu":
+  if (op.name != "add" or len(op.operands) != 2
+      or not reference.is_integer_type(op.results[0].type.dtype)):
     return None
   for b, c in (op.operands, op.operands[::-1]):
     bp, cp = b.producer, c.producer
@@ -460,7 +461,6 @@ def _constant_value(v: ir.Value, depth: int = 8, foldable=_CONSTANT_FOLDABLE):
   compare and logic ops (jax's in-bounds checks of a constant index), the ops
   in ``foldable``; else None."""
   import numpy as np
-  from graphguard_hlo import reference
   from graphguard_hlo.passes.collectives import reducer_kind
   op = v.producer
   if op is None or op.name not in foldable or depth == 0 or len(op.results) != 1:
@@ -689,7 +689,6 @@ def _one_element_of_iota(module, graph, op) -> Optional[ir.Value]:
   if op.name != "slice" or math.prod(op.results[0].shape) != 1:
     return None
   import numpy as np
-  from graphguard_hlo import reference
   whole = _iota_value(op.operands[0])
   if whole is None:
     return None
@@ -750,7 +749,6 @@ def _scalar_of_constants(module, graph, op) -> Optional[ir.Value]:
   value = _constant_value(op.results[0], depth=2, foldable=_SCALAR_ARITHMETIC)
   if value is None:
     return None
-  from graphguard_hlo import reference
   return _emit(module, graph, op, "constant", [],
                {"value": reference.constant_array(value, op.results[0].type.dtype)})
 

@@ -311,8 +311,7 @@ def integer_arithmetic(op: ir.Op) -> bool:
   computes those as XLA does; float ops it may not (a transcendental off by
   an ulp, a float-to-int convert wrapping where XLA saturates), and an
   offset or predicate computed from them could differ."""
-  return all(v.type.dtype == "pred" or v.type.dtype.startswith(("i", "ui"))
-             for v in (*op.operands, *op.results))
+  return all(reference.is_integer_type(v.type.dtype) for v in (*op.operands, *op.results))
 
 
 def _probe_is_faithful(ops: list[ir.Op], env: dict, source: ir.Value) -> bool:

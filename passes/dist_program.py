@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from graphguard_hlo import ir
+from graphguard_hlo import ir, reference
 from graphguard_hlo.errors import InputError
 from graphguard_hlo.passes import sharding as shd
 from graphguard_hlo.passes.collectives import COLLECTIVES, canonicalize_collectives
@@ -166,7 +166,7 @@ def _partition_id_strides(g: ir.Graph, n: int) -> set[int]:
   memo: dict = {}
   for op in g.walk():
     for r in op.results:
-      if r.type.dtype.startswith(("i", "ui")) and math.prod(r.shape) == 1:
+      if reference.is_integer_type(r.type.dtype) and math.prod(r.shape) == 1:
         table = partition_id_table(r, n, memo)
         if table is not None:
           strides |= {s for s in table_strides(table) if 1 < s < n and n % s == 0}

@@ -62,7 +62,7 @@ def counter_of(loop: ir.Op) -> Optional[tuple[int, int]]:
   n = terms.splat_value(bound)
   i = next((j for j, p in enumerate(cond.params) if p is x), None)
   held = reference.type_bounds(x.type.dtype)
-  if n is None or i is None or x.type.dtype[0] not in "iu" or held is None or n != int(n) \
+  if n is None or i is None or not reference.is_integer_type(x.type.dtype) or held is None or n != int(n) \
       or not held[0] <= n <= held[1]:
     return None  # a float counter runs ceil(n) steps; a bound its type cannot reach, forever
   step = body.results[i].producer if i < len(body.results) else None

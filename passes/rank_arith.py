@@ -16,7 +16,7 @@ import numpy as np
 import sympy
 
 from graphguard_hlo import ir
-from graphguard_hlo.reference import COMPARISONS, type_bounds
+from graphguard_hlo.reference import COMPARISONS, is_integer_type, type_bounds
 
 
 def broadcast_scalar(v: ir.Value) -> ir.Value:
@@ -77,7 +77,7 @@ class RankArithmetic:
       return self._memo[v.id]
     self._memo[v.id] = None  # cycles cannot happen in SSA, but be safe
     result = self._eval(v)
-    if result is None and math.prod(v.shape) == 1 and v.type.dtype.startswith(("i", "ui")):
+    if result is None and math.prod(v.shape) == 1 and is_integer_type(v.type.dtype):
       result = self._fitted(v)
     if result is not None and not self._held_exactly(result, v.type.dtype):
       result = None  # wraps or rounds at some partition

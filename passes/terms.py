@@ -13,7 +13,7 @@ from typing import Any, Hashable, Optional
 
 import numpy as np
 
-from graphguard_hlo import ir
+from graphguard_hlo import ir, reference
 from graphguard_hlo.passes.collectives import reducer_kind
 
 # Attributes that do not change what an op computes.
@@ -102,11 +102,11 @@ def _converted(value: np.generic, dtypes: list[str]) -> Optional[float]:
   """``value`` converted to each of ``dtypes`` in turn, as XLA converts; None
   where that is not the reference's cast (a float out of an int's range:
   XLA saturates it, numpy wraps)."""
-  from graphguard_hlo import reference
   out = np.asarray(value)
   for dtype in dtypes:
     bounds = reference.type_bounds(dtype)
-    if out.dtype.kind == "f" and dtype != "pred" and dtype.startswith(("i", "ui")) and not (
+    to_int = reference.is_integer_type(dtype) and dtype not in ("pred", "i1")
+    if out.dtype.kind == "f" and to_int and not (
         np.isfinite(out) and bounds[0] <= np.trunc(out) <= bounds[1]):
       return None
     try:
@@ -132,7 +132,7 @@ _NAN = float("nan")  # one NaN object: NaN != NaN, but a tuple holding it equals
 def canonical_float(value: float, dtype: str) -> float:
   if math.isnan(value):
     return _NAN
-  if dtype == "pred" or dtype.startswith(("i", "ui")):
+  if reference.is_integer_type(dtype):
     return float(value)  # exact: rounding would make 10000001 and 10000000 one constant
   return float(f"{value:.{SPLAT_DIGITS}g}")
 
@@ -140,7 +140,6 @@ def canonical_float(value: float, dtype: str) -> float:
 def fold_scalar(name: str, attrs: dict, values: list[float], type: ir.TensorType
                 ) -> Optional[float]:
   """The value of an elementwise op on splats, computed in the result's dtype."""
-  from graphguard_hlo import reference
   if type.dtype in ("pred", "i1") or name == "compare":
     return None  # booleans: masks are matched structurally
   try:

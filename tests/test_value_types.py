@@ -134,3 +134,16 @@ def test_a_constant_converted_is_the_converted_value(through, proved):
   x = jnp.zeros((6,))
   assert outputs_agree(seq, dist, x) == proved
   assert verify(seq, dist, x).refines == proved
+
+
+@pytest.mark.parametrize("dtype, integer", [
+    ("i1", True), ("pred", True), ("i8", True), ("i32", True), ("ui8", True), ("ui64", True),
+    ("f32", False), ("bf16", False), ("f8E4M3FN", False), ("index", False), ("complex64", False)])
+def test_integer_types_are_named_one_way(dtype, integer):
+  """Booleans are integers under both their names (StableHLO's i1, HLO's
+  pred), so a rank computation reads the same from either dump; every
+  integer type has exact bounds."""
+  from graphguard_hlo.reference import is_integer_type, type_bounds
+  assert is_integer_type(dtype) == integer
+  if integer:
+    assert type_bounds(dtype) is not None
