@@ -117,9 +117,10 @@ def result_order(op: ir.Op, layouts, constant_along) -> Optional[tuple]:
 class ChunkSources:
   """The per-device program's reorderings of one value's chunks."""
 
-  def __init__(self, graph: ir.Graph, mesh: ir.Mesh, class_of):
+  def __init__(self, graph: ir.Graph, mesh: ir.Mesh, class_of, rings=frozenset()):
     self.mesh = mesh
     self.class_of = class_of
+    self.rings = rings  # the axes rings of collective-permutes turn (transfer.py)
     self._chunks: dict[int, Optional[tuple]] = {}  # by root: _chunk_layout's
     # The outermost op of each nest: a concatenate of chunks, a select over
     # ranks of one (rank_cases.py writes a read at a rank's own row so), or
@@ -138,12 +139,13 @@ class ChunkSources:
       if self.class_of(source) != cls:
         continue
       if id(op) not in self._chunks:
-        self._chunks[id(op)] = _chunk_layout(op, source, d, every_element, self.mesh)
+        self._chunks[id(op)] = _chunk_layout(op, source, d, every_element, self.mesh,
+                                             self.rings)
       found = self._chunks[id(op)]
       if found is None or layout.dims[d] or layout.filled or d in dict(layout.order):
         continue
       axes, chunks = found
-      if set(axes) & (layout.used_axes() | layout.pinned_axes()):
+      if {ir.axis_base(a) for a in axes} & (layout.used_axes() | layout.pinned_axes()):
         continue
       dims = tuple(axes if i == d else a for i, a in enumerate(layout.dims))
       order = layout.order + (((d, chunks),) if chunks != tuple(range(len(chunks))) else ())
@@ -262,13 +264,19 @@ def rank_cone(root: ir.Op, source: Optional[ir.Value] = None) -> Optional[list[i
   return order if visit(root) else None
 
 
-def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, mesh: ir.Mesh
-                  ) -> Optional[tuple[tuple[str, ...], tuple]]:
+def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, mesh: ir.Mesh,
+                  rings=frozenset()) -> Optional[tuple[tuple[str, ...], tuple]]:
   """The axes tiling dim ``d`` of ``root``'s result and the chunk order, read
   off its rows at every rank; None if they are not a layout of reordered
   chunks.  ``every_element``: the ops may move other dims' elements too, so
   each element holds its own index, and every element must land at its own
-  place off dim ``d``."""
+  place off dim ``d``.
+
+  Along the axis of a ring (``rings``), in the form ``rotated_chunk_tilings``
+  picks, the form of the ring's blocks; elsewhere plainly.  Not in both:
+  each form multiplies the relations of every value computed from it (a
+  mask's broadcast holds each in every tiling of its new dim), and
+  MAX_RELATIONS_PER_VALUE would cut the one a reader needs."""
   ops = rank_cone(root, source)
   if ops is None:
     return None
@@ -303,7 +311,11 @@ def _chunk_layout(root: ir.Op, source: ir.Value, d: int, every_element: bool, me
     if (line != line[:, :1]).any():
       return None  # not rows (every other index the same)
     at[coord] = tuple(int(x) for x in line[:, 0])
-  return chunk_tiling(at, mesh, shape[d])
+  plain = chunk_tiling(at, mesh, shape[d])
+  if plain is None or not set(plain[0]) & set(rings):
+    return plain
+  return min([plain, *rotated_chunk_tilings(at, mesh, shape[d], plain[0])],
+             key=lambda found: found[1])
 
 
 def integer_arithmetic(op: ir.Op) -> bool:
@@ -361,17 +373,47 @@ def chunk_tiling(at: dict[tuple[int, ...], tuple[int, ...]], mesh: ir.Mesh, n: i
   names = mesh.axis_names
   axes = tuple(a for i, a in enumerate(names)
                if any(at[c] != at[c[:i] + (0,) + c[i + 1:]] for c in coords))
-  picked = [names.index(a) for a in axes]
+  chunks = _chunks_tiled_by(at, mesh, n, axes)
+  return None if chunks is None else (axes, chunks)
+
+
+def rotated_chunk_tilings(at: dict[tuple[int, ...], tuple[int, ...]], mesh: ir.Mesh, n: int,
+                          axes: tuple[str, ...]) -> list[tuple[tuple[str, ...], tuple]]:
+  """``chunk_tiling``'s rows read with one of ``axes`` rotated (``cp+j``,
+  ``layout.py``): one relation, named another way.  At ring step t rank r
+  holds the keys of rank r - t, zig-zag chunks of them.  Read plainly their
+  order is the zig-zag order turned by t blocks, a different order at every
+  step; read with ``cp`` rotated, the order whose chunks come first (the
+  least) is the zig-zag order itself, and the rotation names the ring's step:
+  the form a ring's collective-permutes give the keys, and the one
+  ``ring_blocks.py`` folds the steps in."""
+  out = []
+  for i, a in enumerate(axes):
+    for j in range(1, mesh.axis_size(a)):
+      turned = axes[:i] + (ir.rotated_axis(a, j, mesh.axis_size(a)),) + axes[i + 1:]
+      chunks = _chunks_tiled_by(at, mesh, n, turned)
+      if chunks is not None:
+        out.append((turned, chunks))
+  return out
+
+
+def _chunks_tiled_by(at: dict[tuple[int, ...], tuple[int, ...]], mesh: ir.Mesh, n: int,
+                     axes: tuple[str, ...]) -> Optional[tuple]:
+  """The order of the chunks of a dim of ``n`` rows that ``axes`` (plain or
+  rotated) tile, when the rank at coordinates ``c`` holds the rows
+  ``at[c]``; None unless each tile is one set of rows and they cover the dim."""
+  names = mesh.axis_names
+  picked = [(names.index(ir.axis_base(a)), ir.axis_shift(a), mesh.axis_size(a)) for a in axes]
   tiles = {}
-  for c in coords:
-    key = tuple(c[i] for i in picked)
-    if tiles.setdefault(key, at[c]) != at[c]:
+  for c, rows in at.items():
+    key = tuple((c[i] + shift) % size for i, shift, size in picked)
+    if tiles.setdefault(key, rows) != rows:
       return None  # depends on more than the axes
   held_rows = [r for key in sorted(tiles) for r in tiles[key]]
   if sorted(held_rows) != list(range(n)):
     return None
-  size = _chunk_size(held_rows, len(at[coords[0]]))
-  return axes, tuple(held_rows[i] // size for i in range(0, len(held_rows), size))
+  size = _chunk_size(held_rows, len(next(iter(at.values()))))
+  return tuple(held_rows[i] // size for i in range(0, len(held_rows), size))
 
 
 def _chunk_size(rows: list[int], tile: int) -> int:

@@ -210,7 +210,7 @@ class RelationInference:
     self.arith = RankArithmetic(self.mesh)
     recognize_tile_lookups(dist.module, dist.graph, self.deg, self.arith, self.mesh)
     self.transfer = Transfer(self.deg, self.arith, self.mesh, dist.graph)
-    self.chunk_sources = ChunkSources(dist.graph, self.mesh, self.deg.of)
+    self.chunk_sources = ChunkSources(dist.graph, self.mesh, self.deg.of, self.transfer.rings)
     self.write_backs = WriteBacks(dist.graph, self.mesh, self.deg.of, self.deg.splat)
     self.users = self.transfer.users
     self.relations: dict[int, list[Relation]] = {}

@@ -18,6 +18,12 @@ relates to a sequential value on its own.
   rank r's share of a partial sum over x.  Passed round the ring and added up
   (``Transfer.ring_terms``), every rank's shares of its own tile make the sum.
 
+Zig-zag context parallelism's blocks are reordered chunks (``chunk_order.py``
+names them by the ring's rotated axis over the zig-zag order).  A fold reads
+them if every step's operands are reordered alike: the blocks r + j then
+tile the reordered dim, which a sum or max does not see, and the other dims
+keep their order (``result_order``).
+
 The program may scale or transpose each block's result before adding it up
 (a softmax's scale, an einsum's output order); so does the sequential one,
 after its op.  Blocks not added up yet are kept on the sequential value and
@@ -35,8 +41,10 @@ from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift
+from graphguard_hlo.passes.chunk_order import result_order
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.lemmas import SeqOp, Step, dot_tiling
+from graphguard_hlo.passes.pieces import Pieces
 
 _FOLD = {"sum": "add", "max": "maximum", "min": "minimum"}
 
@@ -72,12 +80,15 @@ class RingBlocks:
 
   # -- folds -------------------------------------------------------------------
   def _fold(self, op: ir.Op, seq_op: SeqOp) -> None:
-    pieces: dict[tuple[Layout, str], dict[int, int]] = {}
-    for combo in self.inf._operand_combinations(op):
+    # Keyed by the operands' orders too: blocks of two reorderings of the dim
+    # need not cover it between them.
+    pieces: dict[tuple, dict[int, int]] = {}
+    for combo in self.inf._operand_combinations(op, self.inf.known_relations):
       found = self._fold_piece(op, seq_op, combo)
       if found is not None:
         layout, axis, j, cls = found
-        pieces.setdefault((layout, axis), {}).setdefault(j, cls)
+        orders = tuple(l.order for _, l in combo if l is not None)
+        pieces.setdefault((layout, axis, orders), {}).setdefault(j, cls)
     kind = "sum" if op.name == "dot_general" else seq_op.attrs.get("gg.reduction")
     self._relate_folds(op, pieces, kind)
 
@@ -86,13 +97,13 @@ class RingBlocks:
     """Relate ``op``'s result to the per-device fold of its blocks' results;
     keep a sum not folded yet."""
     inf = self.inf
-    for (layout, axis), by_turn in pieces.items():
+    for (layout, axis, *_), by_turn in pieces.items():
       if len(by_turn) != inf.mesh.axis_size(axis):
         continue
       folded = self.fold_classes(by_turn, _FOLD[kind])
       if folded is not None:
         inf.add_relation(op.results[0], _relation(folded, layout, "ring-fold"))
-      elif kind == "sum":
+      elif kind == "sum" and not layout.order:  # carried by lemmas, which read no order
         self.folds[op.results[0].id][(layout, axis)] = by_turn
     self._defer(op)
 
@@ -105,6 +116,11 @@ class RingBlocks:
     layouts = [l for _, l in combo]
     if any(l.partial or l.at or not l.is_clean() for l in layouts):
       return None
+    order = result_order(op, [None if r == "splat" else l for r, l in combo],
+                         Pieces.constant_along)
+    if order is None:
+      return None  # the op does not commute with its operands' chunk orders
+    layouts = [l.with_(order=()) for l in layouts]
     if op.name == "reduce":
       if len(op.operands) != 2 or not inits_are_identities(
           inf.splats, op, seq_op.attrs.get("gg.reduction")):
@@ -128,7 +144,8 @@ class RingBlocks:
     attrs = {k: v for k, v in op.attrs.items() if k != "gg.reduction"}
     step = Step(attrs, ir.TensorType(local, seq_op.result_type.dtype), result, "ring-fold")
     cls = inf.local_class(op, combo, step)
-    return None if cls is None else (result, axis_base(names[0]), axis_shift(names[0]), cls)
+    return None if cls is None else (
+        result.with_(order=order), axis_base(names[0]), axis_shift(names[0]), cls)
 
   def fold_classes(self, by_turn: dict[int, int], combiner: str) -> Optional[int]:
     """A class the per-device program computes as ``combiner`` over exactly
