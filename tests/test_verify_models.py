@@ -156,6 +156,13 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/cp_ring_fori/shard_map/wrong_permutation": "ring turning the wrong way",
     "llama3/cp_ring/shard_map/wrong_permutation": "ring turning the wrong way",
     "gpt2/cp_zigzag_ring/shard_map/wrong_permutation": "ring turning the wrong way",
+    "gpt2/cp_zigzag_ring_attention/shard_map/wrong_permutation":
+        "holds blocks cp+{0,2} of it but never cp+{1,3}",
+    "gpt2/cp_zigzag_ring_attention_fori/shard_map/wrong_permutation":
+        "holds blocks cp+{0,2} of it but never cp+{1,3}",
+    "llama3/cp_zigzag_ring_attention/shard_map/mask_contiguous":
+        "holds them in sequence order (contiguous shards): each rank pairs rows of different "
+        "positions (chunk order mismatch)",
     "gpt2/ring_attention/shard_map/wrong_permutation": "a ring turning the wrong way",
     "llama3/ring_attention/shard_map/wrong_permutation": "a ring turning the wrong way",
     "llama3/ring_attention_fori/shard_map/wrong_permutation": "a ring turning the wrong way",

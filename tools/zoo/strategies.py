@@ -42,6 +42,12 @@
 
   * ``dp_tp_ring_attention``: ``dp_tp_cp`` with ring attention round "cp".
 
+  * ``cp_zigzag``: load-balanced ``cp`` (Megatron, Llama 3): every rank cuts
+    its zig-zag chunks r and 2n-1-r out of the whole batch; ``cp_zigzag_ring``
+    passes k/v round a ring instead of gathering them, and
+    ``cp_zigzag_ring_attention`` (also ``_fori``) folds each block into an
+    online softmax, its mask read off both blocks' positions.
+
   * ``pp``: pipeline parallelism on "pp" (4 stages): 8 layers with stacked
     parameters split over the stages by layer, two per stage; the stages
     unrolled, each round every stage runs its layers and ``ppermute``s the
@@ -216,13 +222,23 @@ def _varying_axes(x) -> tuple:
   return tuple(mat.varying if mat is not None else aval.vma)
 
 
+def _zigzag_block_mask(s, r, n, t):
+  """Causal mask of rank r's zig-zag queries (its chunks r and 2n-1-r) against
+  the key block it holds at ring step t, rank (r - t) mod n's chunks: by
+  their positions, cut from the sequence's as the tokens were."""
+  whole = jnp.arange(n * s, dtype=jnp.int32)
+  return (_zigzag_chunks_of(whole, r, n, 0)[:, None]
+          >= _zigzag_chunks_of(whole, (r - t) % n, n, 0)[None, :])
+
+
 def _online_softmax_ring(q, k, v, axis_name, shift=1, rescale_output=True, ring_axis=None,
-                         fori=False):
+                         fori=False, block_mask=_block_mask):
   """Causal attention of this rank's queries round a ring of k/v blocks:
   (out [b, h, s, hd], row max m, denominator l).  ``fori``: the steps as a
   ``lax.fori_loop`` whose every step passes its block on (the last one brings
   each block home), as ring attention libraries write it; else a Python loop,
-  the last step keeping its block."""
+  the last step keeping its block.  ``block_mask(s, r, n, t)``: the mask of
+  the block in hand at step t (contiguous shards, or zig-zag chunks)."""
   ring_axis = ring_axis or axis_name
   b, s, h, hd = q.shape
   n = lax.axis_size(axis_name)
@@ -231,7 +247,7 @@ def _online_softmax_ring(q, k, v, axis_name, shift=1, rescale_output=True, ring_
 
   def step(t, carry, pass_on=True):
     k, v, m, l, o = carry
-    scores = _block_scores(q, k, _block_mask(s, r, n, t))
+    scores = _block_scores(q, k, block_mask(s, r, n, t))
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
     rescale = jnp.exp(m - m_new)
     p = jnp.exp(scores - m_new[..., None])
@@ -259,7 +275,8 @@ def _merge_heads(out):
   return out.transpose(0, 2, 1, 3).reshape(b, s, h * hd)
 
 
-def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None, fori=False):
+def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None, fori=False,
+                    block_mask=_block_mask):
   """Ring attention (Liu et al.) for causal attention: k/v blocks go round
   the ring; each step scores this rank's queries against the block in hand,
   masked at both blocks' offsets, and folds it into an online softmax (running
@@ -271,7 +288,7 @@ def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None, for
   one is the wrong-axis bug.  ``fori``: the ring's steps under ``lax.fori_loop``."""
   def attend(q, k, v):
     out, _, _ = _online_softmax_ring(q, k, v, axis_name, shift, rescale_output, ring_axis,
-                                     fori)
+                                     fori, block_mask)
     return _merge_heads(out)
   return attend
 
@@ -378,9 +395,12 @@ def _zigzag_chunks(x, axis_name, dim=1):
   (load-balanced context parallelism: Megatron's ``get_batch_on_this_cp_rank``,
   Llama 3's context parallelism): every rank then has early and late
   queries, so causal attention costs each rank alike."""
-  n = lax.axis_size(axis_name)
+  return _zigzag_chunks_of(x, lax.axis_index(axis_name), lax.axis_size(axis_name), dim)
+
+
+def _zigzag_chunks_of(x, r, n, dim):
+  """Chunks r and 2n-1-r of the 2n chunks of ``x``'s ``dim``."""
   size = x.shape[dim] // (2 * n)
-  r = lax.axis_index(axis_name)
   early = lax.dynamic_slice_in_dim(x, r * size, size, dim, allow_negative_indices=False)
   late = lax.dynamic_slice_in_dim(x, (2 * n - 1 - r) * size, size, dim,
                                   allow_negative_indices=False)
@@ -473,6 +493,16 @@ def _zigzag_ring_par(shift=1):
   all-gathered (Megatron's context parallelism: load-balanced chunks, a ring
   of k/v blocks); each block lands at its rank's place, in zig-zag order."""
   return dataclasses.replace(_cp_zigzag_par(), gather_kv=_ring_gather_seq("cp", shift))
+
+
+def _zigzag_ring_attention_par(shift=1, fori=False, block_mask=_zigzag_block_mask):
+  """``cp_zigzag`` with ring attention (Megatron's and Llama 3's context
+  parallelism): load-balanced chunks, k/v blocks round the ring, each step's
+  block masked by its chunks' positions and folded into the online softmax.
+  The bugs: the ring turning the wrong way (``shift=-1``), the blocks masked
+  as contiguous shards (``block_mask=_block_mask``)."""
+  return dataclasses.replace(_cp_zigzag_par(), attend=_ring_attention(
+      "cp", shift, fori=fori, block_mask=block_mask))
 
 
 def _dp_tp_cp_par():
@@ -869,6 +899,11 @@ CP_ZIGZAG_VJP = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_vjp", par=lambda:
     position_rows=_zigzag_rows_by_hand("cp")))
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
 CP_ZIGZAG_RING = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_ring", par=_zigzag_ring_par)
+CP_ZIGZAG_RING_ATTENTION = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_ring_attention",
+                                               par=_zigzag_ring_attention_par)
+CP_ZIGZAG_RING_ATTENTION_FORI = dataclasses.replace(
+    CP_ZIGZAG, name="cp_zigzag_ring_attention_fori",
+    par=functools.partial(_zigzag_ring_attention_par, fori=True))
 # The chunks taken by index, as Megatron writes it.
 CP_ZIGZAG_TAKE = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_take", par=functools.partial(
     _cp_zigzag_par, cut=_zigzag_chunks_by_index))
@@ -1928,6 +1963,25 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       built.append(_shard_map_grad_case(model, CP_ZIGZAG_RING, cfg))
   built.append(_shard_map_case("gpt2", CP_ZIGZAG_RING, cfg, "wrong_permutation",
                                _zigzag_ring_par(shift=-1), "wrong_permutation", "dot_general"))
+  # Zig-zag chunks with ring attention: each step's block masked by both
+  # blocks' positions, folded into the online softmax; alone, under
+  # lax.fori_loop, and with the layers under lax.scan.  The bugs: the ring
+  # turning the wrong way (the masks name the blocks of r - t, the keys came
+  # from r + t: only the steps where the two agree, t = 0 and 2, are formed),
+  # and the blocks masked as contiguous shards.
+  for model in MODELS:
+    for strategy in (CP_ZIGZAG_RING_ATTENTION, CP_ZIGZAG_RING_ATTENTION_FORI,
+                     _scanned(CP_ZIGZAG_RING_ATTENTION)):
+      built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
+  built.append(_shard_map_case("gpt2", CP_ZIGZAG_RING_ATTENTION, cfg, "wrong_permutation",
+                               _zigzag_ring_attention_par(shift=-1), "wrong_permutation",
+                               "reduce"))
+  built.append(_shard_map_case("gpt2", CP_ZIGZAG_RING_ATTENTION_FORI, cfg, "wrong_permutation",
+                               _zigzag_ring_attention_par(shift=-1, fori=True),
+                               "wrong_permutation", "reduce"))
+  built.append(_shard_map_case("llama3", CP_ZIGZAG_RING_ATTENTION, cfg, "mask_contiguous",
+                               _zigzag_ring_attention_par(block_mask=_block_mask),
+                               "mask_no_offset", "select"))
   ring_scan = _scanned(CP_RING)
   for model in MODELS:
     built.append(_shard_map_case(model, CP_RING, cfg, "ok", CP_RING.par()))
