@@ -145,8 +145,8 @@ class ChunkSources:
       if found is None or layout.dims[d] or layout.filled or d in dict(layout.order):
         continue
       axes, chunks = found
-      if {ir.axis_base(a) for a in axes} & (layout.used_axes() | layout.pinned_axes()):
-        continue
+      if {ir.axis_base(a) for a in axes} & (set(layout.partial) | layout.pinned_axes()):
+        continue  # (an axis tiling another dim too: the blocks (r, r + j) of a ring)
       dims = tuple(axes if i == d else a for i, a in enumerate(layout.dims))
       order = layout.order + (((d, chunks),) if chunks != tuple(range(len(chunks))) else ())
       new = layout.with_(dims=dims, order=order)
@@ -188,28 +188,29 @@ def _moved_value(root: ir.Op) -> Optional[tuple[ir.Value, int, bool]]:
   sources, cut = set(), set()
   by_rank = regrouped = masked = False
   work = [root]
+  # A concatenate's chunks are of its dim; a slice of another dim below them
+  # (a ring's block of columns, its rows then cut in zig-zag chunks) is their
+  # source, related by a relation of its own.
+  dim = root.attrs["dimension"] if root.name == "concatenate" else None
 
   def read(v: ir.Value) -> None:
     p = v.producer
-    if p is not None and p.name in _MOVES and len(p.results) == 1:
+    if p is not None and p.name in _MOVES and len(p.results) == 1 and not (
+        dim is not None and p.name in ("slice", "dynamic_slice") and dim not in _cut_dims(p)):
       work.append(p)
     else:
       sources.add(v)
 
   while work:
     op = work.pop()
-    operand = op.operands[0].shape
     if op.name in _REGROUP:
       regrouped = True
       by_rank |= op.name == "gather"
-    elif op.name == "dynamic_slice":
-      by_rank = True
-      cut |= {i for i, (n, s) in enumerate(zip(op.attrs["slice_sizes"], operand)) if n != s}
-    elif op.name == "slice":
-      if any(s != 1 for s in op.attrs.get("strides") or ()):
+    elif op.name in ("dynamic_slice", "slice"):
+      if op.name == "slice" and any(s != 1 for s in op.attrs.get("strides") or ()):
         return None
-      cut |= {i for i, n in enumerate(operand)
-              if (op.attrs["start_indices"][i], op.attrs["limit_indices"][i]) != (0, n)}
+      by_rank |= op.name == "dynamic_slice"
+      cut |= _cut_dims(op)
     elif op.name == "concatenate":
       cut.add(op.attrs["dimension"])
     elif op.name == "select":
@@ -239,6 +240,15 @@ def _moved_value(root: ir.Op) -> Optional[tuple[ir.Value, int, bool]]:
   if len(cut) != 1:
     return None
   return source, cut.pop(), regrouped
+
+
+def _cut_dims(op: ir.Op) -> set[int]:
+  """The dims a slice or dynamic slice does not keep whole."""
+  operand = op.operands[0].shape
+  if op.name == "dynamic_slice":
+    return {i for i, (n, s) in enumerate(zip(op.attrs["slice_sizes"], operand)) if n != s}
+  return {i for i, n in enumerate(operand)
+          if (op.attrs["start_indices"][i], op.attrs["limit_indices"][i]) != (0, n)}
 
 
 def rank_cone(root: ir.Op, source: Optional[ir.Value] = None) -> Optional[list[ir.Op]]:

@@ -103,7 +103,7 @@ class RingBlocks:
       folded = self.fold_classes(by_turn, _FOLD[kind])
       if folded is not None:
         inf.add_relation(op.results[0], _relation(folded, layout, "ring-fold"))
-      elif kind == "sum" and not layout.order:  # carried by lemmas, which read no order
+      elif kind == "sum":
         self.folds[op.results[0].id][(layout, axis)] = by_turn
     self._defer(op)
 
@@ -183,12 +183,17 @@ class RingBlocks:
 
   # -- scatters ----------------------------------------------------------------
   def _scatter(self, op: ir.Op, seq_op: SeqOp) -> None:
+    # Keyed by the operands' orders too (as folds are): each rank's rows of
+    # the contracted dim must be the same at every step, or the shares a
+    # tile gathers round the ring need not cover the dim.
     shares: dict[tuple, dict[int, set]] = {}
-    for combo in self.inf._operand_combinations(op):
+    for combo in self.inf._operand_combinations(op, self.inf.known_relations):
       found = self._scatter_piece(op, seq_op, combo)
       if found is not None:
         whole, x, k, j, cls = found
-        shares.setdefault((whole, x), {}).setdefault(cls, set()).add((k, j, frozenset({0})))
+        orders = tuple(l.order for _, l in combo if l is not None)
+        shares.setdefault((whole, x, orders), {}).setdefault(cls, set()).add(
+            (k, j, frozenset({0})))
     self._relate_shares(op, shares)
 
   def _scatter_piece(self, op: ir.Op, seq_op: SeqOp, combo):
@@ -198,6 +203,11 @@ class RingBlocks:
     layouts = [l for _, l in combo]
     if any(l.partial or l.at or not l.is_clean() for l in layouts):
       return None
+    order = result_order(op, [None if r == "splat" else l for r, l in combo],
+                         Pieces.constant_along)
+    if order is None:
+      return None  # the dot does not commute with its operands' chunk orders
+    layouts = [l.with_(order=()) for l in layouts]
     tiling = dot_tiling(op.attrs, *layouts)
     if tiling is None:
       return None
@@ -224,13 +234,13 @@ class RingBlocks:
     if cls is None:
       return None
     plain[k] = ()
-    return Layout(tuple(plain), (x,)), x, k, j, cls
+    return Layout(tuple(plain), (x,), order=order), x, k, j, cls
 
   def _relate_shares(self, op: ir.Op, shares: dict[tuple, dict[int, set]]) -> None:
     """Relate ``op``'s result to the per-device sum of a ring's shares; keep
     shares not added up yet (also to say which diagonals are missing)."""
     inf = self.inf
-    for (whole, x), by_class in shares.items():
+    for (whole, x, *_), by_class in shares.items():
       every_diagonal = len({t[1] for ts in by_class.values() for t in ts}) == \
           inf.mesh.axis_size(x)
       found = list(inf.transfer.ring_terms(by_class, whole, x)) if every_diagonal else []
@@ -259,10 +269,14 @@ class RingBlocks:
     v = op.operands[i]
     pieces: dict[tuple[Layout, str], dict[int, int]] = {}
     for (layout, x), by_turn in self.folds.get(v.id, {}).items():
-      moved = {j: self._apply_locally(op, i, cls, layout) for j, cls in by_turn.items()}
+      order = self._moved_order(op, i, layout)
+      if order is None:
+        continue
+      bare = layout.with_(order=())
+      moved = {j: self._apply_locally(op, i, cls, bare) for j, cls in by_turn.items()}
       results = {m[1] for m in moved.values() if m is not None}
       if None not in moved.values() and len(results) == 1:
-        pieces[(results.pop(), x)] = {j: m[0] for j, m in moved.items()}
+        pieces[(results.pop().with_(order=order), x)] = {j: m[0] for j, m in moved.items()}
     if pieces:
       self._relate_folds(op, pieces, "sum")
     shares: dict[tuple, dict[int, set]] = {}
@@ -277,6 +291,9 @@ class RingBlocks:
     """A ring's shares with ``op`` applied to each; empty unless the program
     carries every one."""
     out: dict[tuple, dict[int, set]] = {}
+    order = self._moved_order(op, i, whole)
+    if order is None:
+      return out
     for cls, ts in by_class.items():
       for k, j, r in ts:
         dims = list(whole.dims)
@@ -290,9 +307,19 @@ class RingBlocks:
           return {}
         dims2 = list(tile.dims)
         dims2[turned[0]] = ()
-        out.setdefault((Layout(tuple(dims2), (x,)), x), {}).setdefault(cls2, set()).add(
-            (turned[0], j, r))
+        out.setdefault((Layout(tuple(dims2), (x,), order=order), x), {}).setdefault(
+            cls2, set()).add((turned[0], j, r))
     return out
+
+  @staticmethod
+  def _moved_order(op: ir.Op, i: int, layout: Layout) -> Optional[tuple]:
+    """The order ``layout``'s reordered dims have after ``op`` (its operand i
+    so laid out, the rest splats), None if ``op`` does not keep them rows:
+    the lemmas carry the blocks without their order (``_apply_locally``)."""
+    if not layout.order:
+      return ()
+    return result_order(op, [layout if n == i else None for n in range(len(op.operands))],
+                        Pieces.constant_along)
 
   def _apply_locally(self, op: ir.Op, i: int, cls: int, layout: Layout
                      ) -> Optional[tuple[int, Layout]]:
