@@ -160,6 +160,11 @@ _DIAGNOSES: dict[str, str] = {
         "holds blocks cp+{0,2} of it but never cp+{1,3}",
     "gpt2/cp_zigzag_ring_attention_fori/shard_map/wrong_permutation":
         "holds blocks cp+{0,2} of it but never cp+{1,3}",
+    "llama3/cp_zigzag_ring_attention_vjp_grad/shard_map/grads_wrong_way":
+        "collective-permutes round 'cp' send r -> r + 1 and r -> r + 3 (mod 4) (gradients "
+        "sent the wrong way round the ring?)",
+    "gpt2/cp_zigzag_ring_attention_vjp_grad/shard_map/lse_without_log":
+        "which relates to no sequential value: it is a add of %maximum",
     "llama3/cp_zigzag_ring_attention/shard_map/mask_contiguous":
         "holds them in sequence order (contiguous shards): each rank pairs rows of different "
         "positions (chunk order mismatch)",

@@ -46,7 +46,9 @@
     its zig-zag chunks r and 2n-1-r out of the whole batch; ``cp_zigzag_ring``
     passes k/v round a ring instead of gathering them, and
     ``cp_zigzag_ring_attention`` (also ``_fori``) folds each block into an
-    online softmax, its mask read off both blocks' positions.
+    online softmax, its mask read off both blocks' positions;
+    ``cp_zigzag_ring_attention_vjp`` (also ``_fori``) adds its backward written
+    by hand, dk and dv carried round the ring with their blocks.
 
   * ``pp``: pipeline parallelism on "pp" (4 stages): 8 layers with stacked
     parameters split over the stages by layer, two per stage; the stages
@@ -293,7 +295,8 @@ def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None, for
   return attend
 
 
-def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True, fori=False):
+def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True, fori=False,
+                        block_mask=_block_mask):
   """Ring attention with its backward pass written by hand, as ring attention
   libraries do (a ``custom_vjp``; the blockwise backward of Liu et al., flash
   attention's recurrence): the forward is ``_ring_attention``'s and saves each
@@ -310,9 +313,9 @@ def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True, fori=False):
   their blocks, so each rank's sum mixes other blocks' gradients.
   ``lse_log=False``, another: ``lse = m + l`` (the log forgotten), so the
   recomputed probabilities are not the forward's.  ``fori``: both rings'
-  steps under ``lax.fori_loop``."""
+  steps under ``lax.fori_loop``.  ``block_mask``: as ``_online_softmax_ring``'s."""
   def forward(q, k, v):
-    out, m, l = _online_softmax_ring(q, k, v, axis_name, fori=fori)
+    out, m, l = _online_softmax_ring(q, k, v, axis_name, fori=fori, block_mask=block_mask)
     return _merge_heads(out), (q, k, v, out, m + (jnp.log(l) if lse_log else l))
 
   def backward(res, dout):
@@ -327,7 +330,7 @@ def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True, fori=False):
 
     def step(t, carry):
       k, v, dq, dk, dv = carry
-      mask = _block_mask(s, r, n, t)
+      mask = block_mask(s, r, n, t)
       p = jnp.exp(_block_scores(q, k, mask) - lse[..., None])
       dv = dv + jnp.einsum("bhst,bhsd->bthd", p, dout)
       dp = jnp.einsum("bhsd,bthd->bhst", dout, v)
@@ -503,6 +506,12 @@ def _zigzag_ring_attention_par(shift=1, fori=False, block_mask=_zigzag_block_mas
   as contiguous shards (``block_mask=_block_mask``)."""
   return dataclasses.replace(_cp_zigzag_par(), attend=_ring_attention(
       "cp", shift, fori=fori, block_mask=block_mask))
+
+
+def _zigzag_ring_attention_vjp_par(**bug):
+  """``cp_zigzag_ring_attention`` with its hand-written ring backward."""
+  return dataclasses.replace(_cp_zigzag_par(), attend=_ring_attention_vjp(
+      "cp", block_mask=_zigzag_block_mask, **bug))
 
 
 def _dp_tp_cp_par():
@@ -901,6 +910,11 @@ CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ri
 CP_ZIGZAG_RING = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_ring", par=_zigzag_ring_par)
 CP_ZIGZAG_RING_ATTENTION = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_ring_attention",
                                                par=_zigzag_ring_attention_par)
+CP_ZIGZAG_RING_ATTENTION_VJP = dataclasses.replace(
+    CP_ZIGZAG, name="cp_zigzag_ring_attention_vjp", par=_zigzag_ring_attention_vjp_par)
+CP_ZIGZAG_RING_ATTENTION_VJP_FORI = dataclasses.replace(
+    CP_ZIGZAG, name="cp_zigzag_ring_attention_vjp_fori",
+    par=functools.partial(_zigzag_ring_attention_vjp_par, fori=True))
 CP_ZIGZAG_RING_ATTENTION_FORI = dataclasses.replace(
     CP_ZIGZAG, name="cp_zigzag_ring_attention_fori",
     par=functools.partial(_zigzag_ring_attention_par, fori=True))
@@ -1982,6 +1996,23 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   built.append(_shard_map_case("llama3", CP_ZIGZAG_RING_ATTENTION, cfg, "mask_contiguous",
                                _zigzag_ring_attention_par(block_mask=_block_mask),
                                "mask_no_offset", "select"))
+  # ... and its backward written by hand (custom_vjp), as Megatron's and ring
+  # attention libraries' context parallelism: dk and dv carried round the ring
+  # with their blocks, alone, under lax.fori_loop and with scanned layers.  The
+  # bugs: dk/dv sent the other way round, the saved log-sum-exp missing its log.
+  if grad:
+    for model in MODELS:
+      for strategy in (CP_ZIGZAG_RING_ATTENTION_VJP, CP_ZIGZAG_RING_ATTENTION_VJP_FORI,
+                       _scanned(CP_ZIGZAG_RING_ATTENTION_VJP)):
+        built.append(_shard_map_grad_case(model, strategy, cfg))
+    for model, variant, flags, bug, primitive in (
+        ("llama3", "grads_wrong_way", dict(grad_shift=-1), "wrong_permutation", "dot_general"),
+        ("gpt2", "lse_without_log", dict(lse_log=False), "wrong_normalizer",
+         "broadcast_in_dim")):
+      strategy = dataclasses.replace(CP_ZIGZAG_RING_ATTENTION_VJP, par=functools.partial(
+          _zigzag_ring_attention_vjp_par, **flags))
+      built.append(_shard_map_grad_case(model, strategy, cfg, variant, bug=bug,
+                                        bug_primitive=primitive))
   ring_scan = _scanned(CP_RING)
   for model in MODELS:
     built.append(_shard_map_case(model, CP_RING, cfg, "ok", CP_RING.par()))
