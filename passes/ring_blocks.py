@@ -19,10 +19,11 @@ relates to a sequential value on its own.
   (``Transfer.ring_terms``), every rank's shares of its own tile make the sum.
 
 Zig-zag context parallelism's blocks are reordered chunks (``chunk_order.py``
-names them by the ring's rotated axis over the zig-zag order).  A fold reads
-them if every step's operands are reordered alike: the blocks r + j then
-tile the reordered dim, which a sum or max does not see, and the other dims
-keep their order (``result_order``).
+names them by the ring's rotated axis over the zig-zag order).  Folds and
+scatters read them if every step's operands are reordered alike: the blocks
+r + j then tile the reordered dim, which a sum or max does not see, each
+rank contracts the same rows at every step, and the other dims keep their
+order (``result_order``), carried with the blocks not added up yet.
 
 The program may scale or transpose each block's result before adding it up
 (a softmax's scale, an einsum's output order); so does the sequential one,
