@@ -832,6 +832,14 @@ _STRATEGIES = {s.name: s for s in [
 # the batch over "dp" (2 x 4): tokens split over both.
 DP_SP = _Strategy("dp_sp", (2, 4), ("dp", "tp"), P("dp", "tp"), _sp_param_spec, _dp_sp_par)
 
+
+def _fori(strategy: _Strategy) -> _Strategy:
+  """``strategy`` with its loop of steps (a ring's, or a pipeline's schedule)
+  under ``lax.fori_loop``: its hooks' factory called with ``fori=True``."""
+  return dataclasses.replace(strategy, name=f"{strategy.name}_fori",
+                             par=functools.partial(strategy.par, fori=True))
+
+
 # Pipeline parallelism: 8 layers on 4 stages, two per stage.
 PP = _Strategy("pp", (4,), ("pp",), P(), _no_param_specs, _pp_par,
                (("stacked_params", True), ("layers", 8)), layer_axis="pp")
@@ -872,7 +880,7 @@ def _pp_tp_par(reduce_attn=_psum, scan=False):
   return _staged(_tp_par(reduce_attn), scan)
 
 
-PP_FORI = dataclasses.replace(PP, name="pp_fori", par=functools.partial(_pp_par, fori=True))
+PP_FORI = _fori(PP)
 
 PP_TP = _Strategy("pp_tp", (2, 4), ("pp", "tp"), P(), _tp_param_spec, _pp_tp_par,
                   (("stacked_params", True), ("layers", 4)), layer_axis="pp")
@@ -912,12 +920,8 @@ CP_ZIGZAG_RING_ATTENTION = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_ring_a
                                                par=_zigzag_ring_attention_par)
 CP_ZIGZAG_RING_ATTENTION_VJP = dataclasses.replace(
     CP_ZIGZAG, name="cp_zigzag_ring_attention_vjp", par=_zigzag_ring_attention_vjp_par)
-CP_ZIGZAG_RING_ATTENTION_VJP_FORI = dataclasses.replace(
-    CP_ZIGZAG, name="cp_zigzag_ring_attention_vjp_fori",
-    par=functools.partial(_zigzag_ring_attention_vjp_par, fori=True))
-CP_ZIGZAG_RING_ATTENTION_FORI = dataclasses.replace(
-    CP_ZIGZAG, name="cp_zigzag_ring_attention_fori",
-    par=functools.partial(_zigzag_ring_attention_par, fori=True))
+CP_ZIGZAG_RING_ATTENTION_VJP_FORI = _fori(CP_ZIGZAG_RING_ATTENTION_VJP)
+CP_ZIGZAG_RING_ATTENTION_FORI = _fori(CP_ZIGZAG_RING_ATTENTION)
 # The chunks taken by index, as Megatron writes it.
 CP_ZIGZAG_TAKE = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_take", par=functools.partial(
     _cp_zigzag_par, cut=_zigzag_chunks_by_index))
@@ -930,24 +934,16 @@ RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_p
 RING_ATTENTION_VJP = _Strategy("ring_attention_vjp", (4,), ("cp",), P(None, "cp"),
                                _cp_param_spec, _ring_attention_vjp_par)
 # The same with each ring's steps under lax.fori_loop (passes/ring_loops.py).
-CP_RING_FORI = _Strategy("cp_ring_fori", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
-                         functools.partial(_ring_par, fori=True))
-RING_ATTENTION_FORI = _Strategy("ring_attention_fori", (4,), ("cp",), P(None, "cp"),
-                                _cp_param_spec, functools.partial(_ring_attention_par, fori=True))
-RING_ATTENTION_VJP_FORI = dataclasses.replace(
-    RING_ATTENTION_VJP, name="ring_attention_vjp_fori",
-    par=functools.partial(_ring_attention_vjp_par, fori=True))
+CP_RING_FORI = _fori(CP_RING)
+RING_ATTENTION_FORI = _fori(RING_ATTENTION)
+RING_ATTENTION_VJP_FORI = _fori(RING_ATTENTION_VJP)
 DP_TP_RING_ATTENTION = _Strategy("dp_tp_ring_attention", (2, 2, 2), ("dp", "tp", "cp"),
                                  P("dp", "cp"), _dp_tp_cp_param_spec, _dp_tp_ring_attention_par)
 DP_TP_RING_ATTENTION_VJP = dataclasses.replace(DP_TP_RING_ATTENTION,
                                                name="dp_tp_ring_attention_vjp",
                                                par=_dp_tp_ring_attention_vjp_par)
-DP_TP_RING_ATTENTION_FORI = dataclasses.replace(
-    DP_TP_RING_ATTENTION, name="dp_tp_ring_attention_fori",
-    par=functools.partial(_dp_tp_ring_attention_par, fori=True))
-DP_TP_RING_ATTENTION_VJP_FORI = dataclasses.replace(
-    DP_TP_RING_ATTENTION, name="dp_tp_ring_attention_vjp_fori",
-    par=functools.partial(_dp_tp_ring_attention_vjp_par, fori=True))
+DP_TP_RING_ATTENTION_FORI = _fori(DP_TP_RING_ATTENTION)
+DP_TP_RING_ATTENTION_VJP_FORI = _fori(DP_TP_RING_ATTENTION_VJP)
 
 # Expert parallelism: llama3 only (its MLP is the MoE layer), 4 experts.
 EP = _Strategy("ep", (4,), ("ep",), P("ep", None), _ep_param_spec, _ep_par,
