@@ -41,13 +41,16 @@ def _input_layouts(relation: Optional[str], seq: ir.Module, program) -> Optional
 
 
 def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_specs=None,
-           out_specs=None, relation: Optional[str] = None) -> Result:
+           out_specs=None, relation: Optional[str] = None,
+           max_relations: Optional[int] = None) -> Result:
   """Prove ``dist_fn`` (a shard_map, or any jittable function whose arguments carry
   shardings) refines ``seq_fn`` on arguments shaped like ``example_args``.
 
   ``in_specs``/``out_specs``: PartitionSpecs over ``mesh`` for the distributed
   arguments/results (alternatively give arguments with ``.sharding``).
   ``relation``: explicit input layouts in the relation-file syntax (README).
+  ``max_relations``: relations kept per sequential value, when a report says
+  the default cap was reached.
   """
   from graphguard_hlo.lowering import lower_distributed, lower_sequential
   from graphguard_hlo.passes.inference import verify_programs
@@ -64,18 +67,30 @@ def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_spe
                            name=_name(dist_fn))
   program = prepare_dist(dist)
   prepare_seq(seq, program)
-  return verify_programs(seq, program, _input_layouts(relation, seq, program))
+  return verify_programs(seq, program, _input_layouts(relation, seq, program),
+                         **_cap(max_relations))
 
 
 def verify_files(seq_path: str, dist_path: str, relation: Optional[str] = None,
-                 num_partitions: Optional[int] = None) -> Result:
+                 num_partitions: Optional[int] = None,
+                 max_relations: Optional[int] = None) -> Result:
   """Like ``gg-hlo-verify SEQ DIST``; ``relation`` is relation-file text."""
   from graphguard_hlo.loaders import load_module
   from graphguard_hlo.passes.inference import verify_programs
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
   program = prepare_dist(load_module(dist_path), num_partitions)
   seq = prepare_seq(load_module(seq_path), program)
-  return verify_programs(seq, program, _input_layouts(relation, seq, program))
+  return verify_programs(seq, program, _input_layouts(relation, seq, program),
+                         **_cap(max_relations))
+
+
+def _cap(max_relations: Optional[int]) -> dict:
+  """``verify_programs``' keyword for a cap the caller chose, if any."""
+  if max_relations is None:
+    return {}
+  if max_relations < 1:
+    raise ValueError(f"max_relations must be positive, got {max_relations}")
+  return {"max_relations": max_relations}
 
 
 def assert_refines(seq_fn: Callable, dist_fn: Callable, *example_args, **kw) -> Result:

@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--format", choices=("text", "json"), default="text")
   p.add_argument("--num-partitions", type=int, metavar="N",
                  help="partition count, when DIST does not record it")
+  p.add_argument("--max-relations", type=int, metavar="N", default=None,
+                 help="relations kept per sequential value (default: MAX_RELATIONS_PER_VALUE "
+                 "in passes/inference.py); raise it when a report says the cap was reached")
   p.add_argument("--quiet", action="store_true", help="print only the verdict line")
   p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report: "
                  "the verdict and the sequential graph around the failure")
@@ -49,13 +52,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(args) -> int:
   from graphguard_hlo import report
   from graphguard_hlo.loaders import load_module
-  from graphguard_hlo.passes.inference import RelationInference
+  from graphguard_hlo.passes.inference import MAX_RELATIONS_PER_VALUE, RelationInference
   from graphguard_hlo.progress import Progress
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
   from graphguard_hlo.relation_file import input_layouts
 
   if args.num_partitions is not None and args.num_partitions < 1:
     raise InputError(None, f"--num-partitions must be positive, got {args.num_partitions}")
+  if args.max_relations is not None and args.max_relations < 1:
+    raise InputError(None, f"--max-relations must be positive, got {args.max_relations}")
   seq = load_module(args.seq)
   dist = load_module(args.dist)
   if not args.quiet and args.format == "text":
@@ -71,7 +76,8 @@ def _run(args) -> int:
     except OSError as e:
       raise InputError(args.relation, f"cannot read: {e.strerror}") from None
     layouts = input_layouts(args.relation, text, seq, program)
-  inference = RelationInference(seq, program, layouts)  # kept: the HTML report reads it
+  inference = RelationInference(  # kept: the HTML report reads it
+      seq, program, layouts, max_relations=args.max_relations or MAX_RELATIONS_PER_VALUE)
   progress = Progress(len(seq.main.ops), enabled=False if args.quiet else None)
   inference.on_progress = progress.update
   try:

@@ -77,6 +77,24 @@ def _ancestors(v: ir.Value) -> set[int]:
   return seen
 
 
+def _cap_words(inf, values: Sequence[ir.Value], depth: int = 2) -> Optional[str]:
+  """Say so when a value near the failure (``values`` and what they are
+  computed from, ``depth`` ops up) reached the cap on relations per value:
+  the relation this op needed may be one the cap dropped, and nothing else
+  would point there."""
+  seen, frontier = set(), list(values)
+  for _ in range(depth + 1):
+    for v in frontier:
+      if v.id in inf.capped:
+        return (f"%{v.id} reached the cap of {inf.max_relations} relations per value and "
+                "later ones were dropped: the relation needed here may be one of them "
+                "(raise the cap: --max-relations N, or max_relations=N in Python)")
+    seen.update(v.id for v in frontier)
+    frontier = [x for v in frontier if v.producer is not None
+                for x in v.producer.operands if x.id not in seen]
+  return None
+
+
 def _scale_origin_words(inf, v: ir.Value, start, members: dict) -> str:
   """'; it is off by a factor since the per-device %reduce_scatter.7 at
   zero.py:59, where the distributed value is 4 times the sequential %591
@@ -743,10 +761,15 @@ def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   counterpart = _counterpart_words(inf, op)
   if counterpart and not any(counterpart in p for p in problems):
     problems.append(counterpart)
+  # A dropped relation is a possible cause, said after any bug pattern found
+  # (those hold whatever the cap), instead of the bare "no lemma" otherwise.
+  capped = _cap_words(inf, op.operands)
   if not problems:
-    problems.append(_held_apart_words(inf, op) or _mismatch_words(inf, op) or
+    problems.append(_held_apart_words(inf, op) or _mismatch_words(inf, op) or capped or
                     f"no op of the per-device program computes this {op.name} from values "
                     "related to its operands (no lemma gives a clean expression)")
+  if capped and capped not in problems:
+    problems.append(capped)
   seq_ctx, dist_ctx = _context(inf, op)
   return Failure(op.name, op.location, inputs, "; ".join(dict.fromkeys(problems)),
                  seq_context=seq_ctx, dist_context=dist_ctx)
@@ -811,6 +834,11 @@ def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[La
     problems.append(f"the distributed output {i} ({_dname(d)}"
                     + (f" from {d.producer.name} at {d.producer.location}" if d.producer else "")
                     + ") is not related to the sequential output")
+  # An output is checked against one class only: with none of its
+  # relations to it and its own relations cut, the cut is the likeliest cause.
+  capped = _cap_words(inf, [s])
+  if capped and not mine:
+    problems.insert(0, capped)
   where = s.producer.location if s.producer else ir.UNKNOWN_LOCATION
   inputs = [(f"output {i}: {s.type}", inf.describe(s))]
   return Failure("output", where, inputs, "; ".join(dict.fromkeys(problems)), output_index=i)

@@ -189,7 +189,8 @@ class RelationInference:
   def __init__(self, seq: ir.Module, dist: DistProgram,
                input_layouts: Optional[list[Layout]] = None,
                seq_graph: Optional[ir.Graph] = None,
-               deg: Optional[DistEGraph] = None):
+               deg: Optional[DistEGraph] = None,
+               max_relations: int = MAX_RELATIONS_PER_VALUE):
     self.seq_module = seq
     self.seq = seq_graph or seq.main
     self.dist = dist
@@ -214,6 +215,11 @@ class RelationInference:
     self.write_backs = WriteBacks(dist.graph, self.mesh, self.deg.of, self.deg.splat)
     self.users = self.transfer.users
     self.relations: dict[int, list[Relation]] = {}
+    # The cap on relations per value, and the values that reached it: a
+    # relation dropped there may be the one a later op needs, and "not
+    # proved" far from the cap would not say so (diagnose.py does).
+    self.max_relations = max_relations
+    self.capped: set[int] = set()
     self._transfer_memo: dict[tuple, list[Relation]] = {}
     self._step_memo: dict[tuple, list] = {}
     self.splats: dict[int, float] = {}
@@ -231,9 +237,9 @@ class RelationInference:
   # -- relations ---------------------------------------------------------------
   def add_relation(self, s: ir.Value, rel: Relation, assumed: bool = False) -> None:
     """Relate ``s`` by ``rel`` and by what follows from it.  Each value keeps
-    at most MAX_RELATIONS_PER_VALUE, except that an ``assumed`` relation (a
-    loop's candidate invariant) always goes in: a hypothesis cut here could
-    never be re-established, and the loop would fail for want of it."""
+    at most ``max_relations``, except that an ``assumed`` relation (a loop's
+    candidate invariant) always goes in: a hypothesis cut here could never be
+    re-established, and the loop would fail for want of it."""
     work = [rel]
     while work:
       r = work.pop()
@@ -241,7 +247,8 @@ class RelationInference:
       known = self.relations.setdefault(s.id, [])
       if any(k.cls == r.cls and k.layout == r.layout for k in known):
         continue
-      if len(known) >= MAX_RELATIONS_PER_VALUE and not assumed:
+      if len(known) >= self.max_relations and not assumed:
+        self.capped.add(s.id)
         return
       assumed = False  # ``rel`` is popped first; what follows from it is capped
       known.append(r)
@@ -841,5 +848,6 @@ def _live_ops(g: ir.Graph) -> set[int]:
 
 @without_cyclic_gc
 def verify_programs(seq: ir.Module, dist: DistProgram,
-                    input_layouts: Optional[list[Layout]] = None) -> Result:
-  return RelationInference(seq, dist, input_layouts).run()
+                    input_layouts: Optional[list[Layout]] = None,
+                    max_relations: int = MAX_RELATIONS_PER_VALUE) -> Result:
+  return RelationInference(seq, dist, input_layouts, max_relations=max_relations).run()

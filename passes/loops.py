@@ -211,7 +211,7 @@ def _region_inference(inf, seq_loop: ir.Op, dist_loop: ir.Op, region: int,
   key = (id(dist_region), tuple(sorted(splats.items())))
   cached = inf.region_egraphs.get(key)
   sub = RelationInference(inf.seq_module, program, [], seq_graph=seq_region,
-                          deg=cached[1] if cached else None)
+                          deg=cached[1] if cached else None, max_relations=inf.max_relations)
   inf.region_egraphs[key] = (dist_region, sub.deg)  # (the region keeps its id unique)
   sub.region_egraphs = inf.region_egraphs
   sub.whole_dist = inf.whole_dist
