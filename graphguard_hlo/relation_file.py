@@ -7,6 +7,13 @@ One line per parameter (blank lines and ``#`` comments are ignored)::
     1: dim1=tp
     2: dim0=dp,tp          # dim 0 split over dp (major) then tp
     3: dim0=tp partial=dp  # and summed over dp
+    4: dim1=cp order1=0,7,1,6,2,5,3,4  # dim 1 cut in 8 chunks put in this
+                                       # order, then split over cp (zig-zag)
+
+``orderK=`` says the distributed program holds the sequential tensor with dim
+K cut into as many equal chunks as listed and put in the listed order before
+the rest of the layout splits it: load-balanced context parallelism whose
+data loader hands rank r chunks r and 2n-1-r of the sequence.
 
 Axis names are the distributed program's mesh axes (shard_map: yours;
 XLA-partitioned modules: ``a0, a1, ...`` major to minor, as printed by
@@ -24,10 +31,13 @@ from graphguard_hlo.passes.layout import Layout
 
 _LINE = re.compile(r"^\s*(\d+)\s*:\s*(.*?)\s*$")
 _ITEM = re.compile(r"(dim(\d+)|partial)=([A-Za-z_][\w]*(?:,[A-Za-z_][\w]*)*)$")
+_ORDER = re.compile(r"order(\d+)=(\d+(?:,\d+)*)$")
 
 
-def parse_relation_file(path: str, text: str, ranks: list[int], axes: list[str]
-                        ) -> dict[int, Layout]:
+def parse_relation_file(path: str, text: str, shapes: list[tuple[int, ...]],
+                        axes: list[str]) -> dict[int, Layout]:
+  """Parameter index -> its layout, for parameters of these sequential
+  ``shapes`` over a mesh with these ``axes``."""
   out: dict[int, Layout] = {}
   # Lines end at "\n" (a "\r" before it is dropped by the strip below), as
   # editors number them; str.splitlines would also break at a lone "\r".
@@ -40,18 +50,20 @@ def parse_relation_file(path: str, text: str, ranks: list[int], axes: list[str]
       raise InputError(path, "expected '<parameter index>: <layout>'", lineno,
                        len(line) - len(line.lstrip()) + 1)
     index = int(m.group(1))
-    if index >= len(ranks):
+    if index >= len(shapes):
       raise InputError(path, f"parameter {index} does not exist (the module has "
-                       f"{len(ranks)})", lineno, m.start(1) + 1)
+                       f"{len(shapes)})", lineno, m.start(1) + 1)
     if index in out:
       raise InputError(path, f"parameter {index} is given twice", lineno, m.start(1) + 1)
-    out[index] = _parse_layout(path, lineno, line, m.start(2), m.group(2), ranks[index], axes)
+    out[index] = _parse_layout(path, lineno, line, m.start(2), m.group(2), shapes[index], axes)
   return out
 
 
-def _parse_layout(path, lineno, line, col0, spec, rank, axes) -> Layout:
+def _parse_layout(path, lineno, line, col0, spec, shape, axes) -> Layout:
+  rank = len(shape)
   dims: list[tuple[str, ...]] = [() for _ in range(rank)]
   partial: tuple[str, ...] = ()
+  order: dict[int, tuple[int, ...]] = {}
   if spec == "replicated":
     return Layout(tuple(dims))
   if not spec:
@@ -59,10 +71,17 @@ def _parse_layout(path, lineno, line, col0, spec, rank, axes) -> Layout:
   col = col0
   for item in spec.split():
     col = line.index(item, col)
+    m = _ORDER.match(item)
+    if m:
+      d, chunks = int(m.group(1)), tuple(int(c) for c in m.group(2).split(","))
+      order[d] = _chunk_order(path, lineno, col, d, chunks, shape, order)
+      col += len(item)
+      continue
     m = _ITEM.match(item)
     if not m:
       raise InputError(path, f"cannot read {item!r}: expected dimK=AXIS[,AXIS], "
-                       "partial=AXIS[,AXIS] or replicated", lineno, col + 1)
+                       "partial=AXIS[,AXIS], orderK=CHUNK,CHUNK[,...] or replicated",
+                       lineno, col + 1)
     names = tuple(m.group(3).split(","))
     unknown = [a for a in names if a not in axes]
     if unknown:
@@ -80,7 +99,23 @@ def _parse_layout(path, lineno, line, col0, spec, rank, axes) -> Layout:
   layout = Layout(tuple(dims), partial)
   if not layout.is_valid() or not layout.is_plain():  # (plain: no axis tiles two dims)
     raise InputError(path, "an axis is used twice in one layout", lineno, col0 + 1)
-  return layout
+  return layout.with_(order=tuple(order.items())) if order else layout
+
+
+def _chunk_order(path, lineno, col, d, chunks, shape, seen) -> tuple[int, ...]:
+  """``orderD=chunks`` checked against the parameter's ``shape``."""
+  where = (lineno, col + 1)
+  if d >= len(shape):
+    raise InputError(path, f"order{d} out of range for a rank-{len(shape)} parameter", *where)
+  if d in seen:
+    raise InputError(path, f"order{d} is given twice", *where)
+  if sorted(chunks) != list(range(len(chunks))) or len(chunks) < 2:
+    raise InputError(path, f"order{d} must list the chunks 0..n-1 once each (n >= 2), "
+                     f"got {','.join(map(str, chunks))}", *where)
+  if shape[d] % len(chunks):
+    raise InputError(path, f"order{d}: dim {d} of size {shape[d]} does not cut into "
+                     f"{len(chunks)} equal chunks", *where)
+  return chunks
 
 
 def merge_layouts(derived: list[Optional[Layout]], given: dict[int, Layout]) -> list[Optional[Layout]]:
@@ -89,6 +124,6 @@ def merge_layouts(derived: list[Optional[Layout]], given: dict[int, Layout]) -> 
 
 def input_layouts(path: str, text: str, seq, program) -> list[Optional[Layout]]:
   """DIST's derived parameter layouts with the file's lines applied on top."""
-  given = parse_relation_file(path, text, [p.type.rank for p in seq.main.params],
+  given = parse_relation_file(path, text, [tuple(p.type.shape) for p in seq.main.params],
                               list(program.mesh.axis_names))
   return merge_layouts(program.param_layouts, given)

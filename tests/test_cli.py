@@ -67,6 +67,17 @@ def test_relation_file_overrides_input_layout(tmp_path, capsys):
   assert code == 2 and "parameter 1" in err
 
 
+def test_relation_file_chunk_order_is_read(tmp_path, capsys):
+  # The input's rows in another order than the per-device program reads
+  # them: parsed, then not proved (the MLP mixes no rows, but the output's
+  # relation keeps the order, and the declared one has none).
+  rel = tmp_path / "rel.txt"
+  rel.write_text("0: order0=1,0\n")
+  code, out, _ = _run(capsys, *_pair("tp_mlp__shard_map__ok"), "--relation", str(rel))
+  assert code == 1, out
+  assert "chunks[dim0: 1 0]" in out
+
+
 def test_relation_file_that_matches_is_accepted(tmp_path, capsys):
   rel = tmp_path / "rel.txt"
   rel.write_text("0: replicated\n1: dim1=tp\n2: dim0=tp\n3: dim0=tp  # row-parallel\n")
@@ -80,6 +91,12 @@ def test_relation_file_that_matches_is_accepted(tmp_path, capsys):
     ("1: dim7=tp\n", 1, "dim7 out of range"),
     ("9: replicated\n", 1, "parameter 9 does not exist"),
     ("1: dim0=tp dim1=tp\n", 1, "used twice"),
+    ("0: order1=0,2\n", 1, "order1 must list the chunks 0..n-1 once each"),
+    ("0: order1=0\n", 1, "order1 must list the chunks 0..n-1 once each"),
+    ("0: order3=1,0\n", 1, "order3 out of range"),
+    ("0: order1=1,0 order1=0,1\n", 1, "order1 is given twice"),
+    ("0: order0=0,1,2,3,4,5,6\n", 1, "does not cut into 7 equal chunks"),
+    ("0: order1=a,b\n", 1, "cannot read 'order1=a,b'"),
 ])
 def test_bad_relation_file(tmp_path, capsys, text, line, needle):
   rel = tmp_path / "rel.txt"
