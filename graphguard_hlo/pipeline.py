@@ -66,7 +66,11 @@ def prepare_seq(seq: ir.Module, program: Optional[DistProgram] = None) -> ir.Mod
 
 @without_cyclic_gc
 def verify_modules(seq: ir.Module, dist: ir.Module, input_layouts: Optional[list[Layout]] = None,
-                   num_partitions: Optional[int] = None) -> Result:
+                   num_partitions: Optional[int] = None, relation: Optional[str] = None) -> Result:
+  """``relation``: relation-file text applied on top of the derived input layouts."""
   program = prepare_dist(dist, num_partitions)
   prepare_seq(seq, program)
+  if relation is not None:
+    from graphguard_hlo.relation_file import input_layouts as with_relation
+    input_layouts = with_relation("<relation>", relation, seq, program)
   return verify_programs(seq, program, input_layouts)

@@ -209,12 +209,16 @@ def _name(v: ir.Value) -> str:
 
 def verify_and_check(seq: ir.Module, dist: ir.Module, seed: int = 0,
                      input_layouts: Optional[list[Layout]] = None,
-                     nonnegative: Sequence[int] = ()):
-  """(Result, RelationCheck) for two loaded modules."""
+                     nonnegative: Sequence[int] = (), relation: Optional[str] = None):
+  """(Result, RelationCheck) for two loaded modules.  ``relation``:
+  relation-file text applied on top of the derived input layouts."""
   from graphguard_hlo.passes.inference import RelationInference
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
   program = prepare_dist(dist)
   prepare_seq(seq, program)
+  if relation is not None:
+    from graphguard_hlo.relation_file import input_layouts as with_relation
+    input_layouts = with_relation("<relation>", relation, seq, program)
   inference = RelationInference(seq, program, input_layouts)
   result = inference.run()
   return result, check_relations(inference, seed, nonnegative)

@@ -22,3 +22,15 @@ def test_dumped_model_pair_verifies(tmp_path, capsys, name, dist_file, code):
   assert {"seq.mlir", dist_file} <= set(os.listdir(folder))
   assert "64" in (folder / "seq.mlir").read_text()  # the requested width
   assert cli.main([str(folder / "seq.mlir"), str(folder / dist_file), "--quiet"]) == code
+
+
+def test_dumped_pair_with_a_relation_file(tmp_path):
+  # A zig-zag batch from the data loader: the shardings cannot say it, the
+  # dumped relation.txt does; without it the batch reads as contiguous shards.
+  name = "llama3/cp_zigzag_loaded/shard_map/ok"
+  assert gen_testdata.main([name, "--out", str(tmp_path), "--layers", "1"]) == 0
+  folder = tmp_path / name.replace("/", "__")
+  assert (folder / "relation.txt").read_text().startswith("0: dim1=cp order1=0,7,1,6,2,5,3,4")
+  pair = [str(folder / "seq.mlir"), str(folder / "dist.mlir"), "--quiet"]
+  assert cli.main(pair + ["--relation", str(folder / "relation.txt")]) == 0
+  assert cli.main(pair) == 1

@@ -85,6 +85,15 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/cp_zigzag_take/shard_map/rope_positions_contiguous":
         "holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), operand %455 holds "
         "them in sequence order (contiguous shards)",
+    "llama3/cp_zigzag_loaded/shard_map/rope_positions_contiguous":
+        "holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), operand %455 holds "
+        "them in sequence order (contiguous shards)",
+    "llama3/cp_zigzag_loaded/shard_map/batch_contiguous":
+        "operand %455 holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), "
+        "operand %71 holds them in sequence order (contiguous shards)",
+    "gpt2/cp_zigzag_loaded/shard_map/batch_contiguous":
+        "operand %489 holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), "
+        "operand %40 holds them in sequence order (contiguous shards)",
     "gpt2/cp_zigzag/shard_map/positions_contiguous":
         "holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), operand %489 holds "
         "them in sequence order (contiguous shards)",

@@ -30,5 +30,6 @@ def verified(case):
   """(Result, RelationCheck) of ``case``, computed at its first request."""
   if case.name not in _OUTCOMES:
     _OUTCOMES[case.name] = verify_and_check(*case.modules(),
-                                            nonnegative=case.nonnegative_args)
+                                            nonnegative=case.nonnegative_args,
+                                            relation=case.relation)
   return _OUTCOMES[case.name]

@@ -13,6 +13,8 @@ Per case, in ``DIR/<case name with / as __>/``:
   dist.hlo.txt/.hlo.pb  GSPMD cases: XLA's per-device module right after
                         spmd-partitioning, as HLO text and as an HLO proto
                         (a GSPMD bug: the edited HLO text alone)
+  relation.txt          cases whose inputs' relation the shardings do not tell
+                        (a zig-zag batch): pass it with ``--relation``
 Absolute paths of this checkout are written repo-relative, so the files are
 the same on every machine.
 """
@@ -48,6 +50,11 @@ def dump_case(case, outdir: str) -> list[str]:
   with open(seq_path, "w") as f:
     f.write(_relative(sequential_text(case.seq_fn, *case.seq_args)))
   written.append(seq_path)
+  if case.relation is not None:  # the inputs' relation the shardings do not tell
+    rel_path = os.path.join(outdir, "relation.txt")
+    with open(rel_path, "w") as f:
+      f.write(case.relation)
+    written.append(rel_path)
   kw = {}
   if case.in_shardings is not None:
     kw["in_shardings"] = case.in_shardings

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,10 @@ class Case:
   # How closely the two programs' outputs agree on a run (bfloat16 ones
   # round their partial sums, summed in another order).
   tolerance: float = 1e-4
+  # The inputs' relation where the shardings do not tell it all, in the
+  # relation-file syntax (README): a data loader's zig-zag batches
+  # (``orderK=``), given to the verifier as ``--relation`` would.
+  relation: Optional[str] = None
 
   @property
   def program(self) -> str:
@@ -80,6 +84,24 @@ class Case:
     return (lower_sequential(self.seq_fn, *self.seq_args),
             lower_distributed(self.dist_fn, *self.dist_args, in_shardings=self.in_shardings,
                               out_shardings=self.out_shardings))
+
+  def dist_inputs(self, inputs: Sequence) -> list:
+    """Global ``inputs`` of the sequential program as the distributed one is
+    given them: with the chunks of each dim ``relation`` orders reordered
+    (what a data loader does), placed by ``dist_args``' shardings."""
+    inputs = list(inputs)
+    if self.relation is not None:
+      from graphguard_hlo.passes.layout import reorder_chunks
+      from graphguard_hlo.relation_file import parse_relation_file
+      given = parse_relation_file(f"<{self.name}>", self.relation,
+                                  [tuple(a.shape) for a in self.seq_args],
+                                  list(self.mesh.axis_names))
+      for i, layout in given.items():
+        x = np.asarray(inputs[i])
+        for dim, chunks in layout.order:
+          x = reorder_chunks(x, dim, chunks)
+        inputs[i] = x
+    return [jax.device_put(x, a.sharding) for x, a in zip(inputs, self.dist_args)]
 
   def check_well_formed(self) -> None:
     """The invariants every zoo case keeps (AssertionError naming the case)."""

@@ -37,9 +37,7 @@ def run_both(case: Case, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
   if case.dist_edit is not None:  # a GSPMD bug: XLA's module edited, run by the interpreter
     from tools.zoo.partitioner_bugs import run_partitioned
     return np.asarray(seq_out), np.asarray(run_partitioned(case, inputs))
-  dist_inputs = [jax.device_put(x, a.sharding)
-                 for x, a in zip(inputs, case.dist_args)]
-  dist_out = _jit_dist(case)(*dist_inputs)
+  dist_out = _jit_dist(case)(*case.dist_inputs(inputs))
   return np.asarray(seq_out), np.asarray(dist_out)
 
 

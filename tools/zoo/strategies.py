@@ -813,6 +813,7 @@ class _Strategy:
   par: Callable[[], Parallel]           # the correct per-device hooks
   cfg_overrides: tuple = ()
   layer_axis: Optional[str] = None      # the axis splitting stacked layers
+  relation: Optional[str] = None        # the inputs' relation file, if not the specs'
 
 
 _STRATEGIES = {s.name: s for s in [
@@ -922,6 +923,28 @@ CP_ZIGZAG_RING_ATTENTION_VJP = dataclasses.replace(
     CP_ZIGZAG, name="cp_zigzag_ring_attention_vjp", par=_zigzag_ring_attention_vjp_par)
 CP_ZIGZAG_RING_ATTENTION_VJP_FORI = _fori(CP_ZIGZAG_RING_ATTENTION_VJP)
 CP_ZIGZAG_RING_ATTENTION_FORI = _fori(CP_ZIGZAG_RING_ATTENTION)
+# The batch as a data loader hands it (Llama 3's, or Megatron's with the cut
+# done on the host): tokens and labels split over "cp" in zig-zag order, which
+# the shardings cannot say and the relation file does; each rank cuts only its
+# positions, mask and GPT-2's position rows.
+_ZIGZAG_CHUNKS = ",".join(str(c) for r in range(4) for c in (r, 7 - r))
+_ZIGZAG_BATCH = f"0: dim1=cp order1={_ZIGZAG_CHUNKS}\n1: dim1=cp order1={_ZIGZAG_CHUNKS}\n"
+
+
+def _zigzag_loaded_par(attend=None, **bug):
+  """``cp_zigzag`` on a batch already in zig-zag chunks (``attend``: ring
+  attention's, or attention over the gathered keys)."""
+  par = _cp_zigzag_par(**bug)
+  return dataclasses.replace(par, local_batch=lambda tokens, labels: (tokens, labels),
+                             attend=attend or par.attend)
+
+
+CP_ZIGZAG_LOADED = _Strategy("cp_zigzag_loaded", (4,), ("cp",), P(None, "cp"),
+                             lambda model, name: P(), _zigzag_loaded_par,
+                             relation=_ZIGZAG_BATCH)
+CP_ZIGZAG_LOADED_RING_ATTENTION = dataclasses.replace(
+    CP_ZIGZAG_LOADED, name="cp_zigzag_loaded_ring_attention",
+    par=lambda: _zigzag_loaded_par(attend=_ring_attention("cp", 1, block_mask=_zigzag_block_mask)))
 # The chunks taken by index, as Megatron writes it.
 CP_ZIGZAG_TAKE = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_take", par=functools.partial(
     _cp_zigzag_par, cut=_zigzag_chunks_by_index))
@@ -1113,7 +1136,8 @@ def _shard_map_case(model, strategy, cfg, variant, par, bug=None,
               seq_fn=_seq_fn(model, cfg), dist_fn=dist_fn,
               seq_args=_seq_args(model, cfg),
               dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
-              style="shard_map", bug=bug, bug_primitive=bug_primitive)
+              style="shard_map", bug=bug, bug_primitive=bug_primitive,
+              relation=strategy.relation)
 
 
 def _gspmd_case(model, strategy, cfg) -> Case:
@@ -1346,7 +1370,8 @@ def _shard_map_grad_case(model, strategy, cfg, variant="ok", check_vma=True, bug
   return Case(name=f"{model}/{strategy.name}_{kind}/shard_map/{variant}", seq_fn=seq_fn,
               dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
               dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
-              style="shard_map", bug=bug, bug_primitive=bug_primitive)
+              style="shard_map", bug=bug, bug_primitive=bug_primitive,
+              relation=strategy.relation)
 
 
 # Outputs of bfloat16 programs agree to about two digits: each rounds its sums,
@@ -1965,6 +1990,24 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                "mask_no_offset", "select"))
   built.append(_shard_map_case("llama3", CP_ZIGZAG, cfg, "labels_contiguous",
                                _cp_zigzag_par(labels=False), "wrong_shard_offset", "multiply"))
+  # The batch handed over in zig-zag chunks by the data loader (the relation
+  # says so), with keys all-gathered or round a ring.  The bugs: RoPE's
+  # positions for contiguous shards; the loader handing contiguous shards to
+  # the zig-zag model (the relation without the order: met where the first
+  # position-dependent value meets the tokens).
+  for model in MODELS:
+    for strategy in (CP_ZIGZAG_LOADED, CP_ZIGZAG_LOADED_RING_ATTENTION):
+      built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, CP_ZIGZAG_LOADED, cfg))
+  built.append(_shard_map_case("llama3", CP_ZIGZAG_LOADED, cfg, "rope_positions_contiguous",
+                               _zigzag_loaded_par(positions=_sharded_positions("cp")),
+                               "wrong_shard_offset", "multiply"))
+  contiguous_batch = dataclasses.replace(CP_ZIGZAG_LOADED, relation=None)
+  built.append(_shard_map_case("llama3", contiguous_batch, cfg, "batch_contiguous",
+                               contiguous_batch.par(), "wrong_shard_offset", "multiply"))
+  built.append(_shard_map_case("gpt2", contiguous_batch, cfg, "batch_contiguous",
+                               contiguous_batch.par(), "wrong_shard_offset", "add"))
   # Zig-zag chunks with the ring: each block written at its rank's place, the
   # ring's reduce-scatter backward; the ring turning the wrong way.
   for model in MODELS:
@@ -2327,8 +2370,7 @@ def run_both(case: Case, inputs=None, seed: int = 0):
   if inputs is None:
     inputs = model_inputs(case, seed)
   seq_out = jax.jit(case.seq_fn)(*inputs)
-  dist_inputs = [jax.device_put(x, a.sharding)
-                 for x, a in zip(inputs, case.dist_args)]
+  dist_inputs = case.dist_inputs(inputs)
   if case.dist_edit is not None:  # a GSPMD bug: XLA's module edited, run by the interpreter
     from tools.zoo.partitioner_bugs import run_partitioned
     return jax.tree.map(np.asarray, seq_out), run_partitioned(case, inputs)
