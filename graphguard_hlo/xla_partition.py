@@ -16,8 +16,10 @@ from graphguard_hlo import ir
 from graphguard_hlo.errors import InputError
 from graphguard_hlo.loaders.hlo_proto import load_hlo_proto
 
+# Large constants in full: a text dump elides them as {...} otherwise, and a
+# constant the verifier cannot read can relate to nothing.
 DUMP_OPTIONS = {"xla_dump_hlo_pass_re": "spmd-partitioning", "xla_dump_hlo_as_proto": True,
-                "xla_dump_hlo_as_text": False}
+                "xla_dump_hlo_as_text": False, "xla_dump_large_constants": True}
 
 
 def _partitioned_dump_file(dump_dir: str, ext: str, path_hint: str) -> str:

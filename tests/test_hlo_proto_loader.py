@@ -51,3 +51,51 @@ def test_collective_over_the_middle_axis_is_proved(middle_axis_proto):
   seq = lower_sequential(_sum, jax.ShapeDtypeStruct((4, 8), np.float32))
   dist = hlo_proto.load_hlo_proto("m.pb", middle_axis_proto)
   assert verify_modules(seq, dist).refines
+
+
+# A constant of more elements than XLA prints by default (it elides them as
+# {...} unless asked): a proto holds every value, so the loader prints them all.
+_TABLE = np.arange(64, dtype=np.float32).reshape(8, 8)
+
+
+def _times_table(a):
+  return a * jnp.asarray(_TABLE)
+
+
+def _times_other_table(a):
+  return a * jnp.asarray(_TABLE[::-1])
+
+
+def _row_split(fn):
+  import graphguard_hlo as gg
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  return gg.verify(_times_table, fn, jnp.zeros((8, 8)), mesh=mesh, in_specs=(P("x"),),
+                   out_specs=P("x"))
+
+
+def test_large_constant_of_a_partitioned_module_is_read_whole():
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  x = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+  module = xla_partition.partition_lowered(
+      jax.jit(_times_table, out_shardings=NamedSharding(mesh, P("x"))).lower(x))
+  values = [np.asarray(op.attrs["value"]) for op in module.main.walk()
+            if op.name == "constant" and op.results[0].type.shape == (8, 8)]
+  assert any(np.array_equal(v, _TABLE) for v in values)
+
+
+def test_large_constant_under_gspmd_is_proved_and_another_is_not():
+  assert _row_split(_times_table).refines
+  result = _row_split(_times_other_table)
+  assert not result.refines and result.failure.op_name in ("constant", "multiply")
+
+
+def test_large_constant_in_the_partitioned_text_dump():
+  from graphguard_hlo.loaders.hlo_text import load_hlo_text
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  x = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+  text = xla_partition.partitioned_hlo_text(
+      jax.jit(_times_table, out_shardings=NamedSharding(mesh, P("x"))).lower(x))
+  assert "{...}" not in text
+  module = load_hlo_text("<dump>", text)
+  assert any(np.array_equal(np.asarray(op.attrs["value"]), _TABLE) for op in module.main.walk()
+             if op.name == "constant" and op.results[0].type.shape == (8, 8))

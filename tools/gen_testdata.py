@@ -75,7 +75,8 @@ def dump_case(case, outdir: str) -> list[str]:
   with tempfile.TemporaryDirectory() as tmp:
     lowered.compile(compiler_options={
         "xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning",
-        "xla_dump_hlo_as_proto": True, "xla_dump_hlo_as_text": True})
+        "xla_dump_hlo_as_proto": True, "xla_dump_hlo_as_text": True,
+        "xla_dump_large_constants": True})
     for ext, name in ((".txt", "dist.hlo.txt"), (".pb", "dist.hlo.pb")):
       src = sorted(glob.glob(os.path.join(tmp, f"*after_spmd-partitioning*{ext}")))[-1]
       dst = os.path.join(outdir, name)

@@ -51,7 +51,8 @@ def load_hlo_proto(path: str, data: bytes) -> ir.Module:
   from jax._src.lib import xla_client
   from graphguard_hlo.loaders.hlo_text import load_hlo_text
   try:
-    text = xla_client.XlaComputation(unwrap_hlo_proto(data)).as_hlo_text()
+    text = xla_client.XlaComputation(unwrap_hlo_proto(data)).as_hlo_text(
+        print_large_constants=True)  # the proto holds every value: print them all
   except Exception as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise InputError(path, f"not a valid HLO proto: {first}") from None
