@@ -35,9 +35,10 @@ _ORDER = re.compile(r"order(\d+)=(\d+(?:,\d+)*)$")
 
 
 def parse_relation_file(path: str, text: str, shapes: list[tuple[int, ...]],
-                        axes: list[str]) -> dict[int, Layout]:
+                        axes: Optional[list[str]]) -> dict[int, Layout]:
   """Parameter index -> its layout, for parameters of these sequential
-  ``shapes`` over a mesh with these ``axes``."""
+  ``shapes`` over a mesh with these ``axes`` (None: any name, for a reader of
+  the chunk orders alone)."""
   out: dict[int, Layout] = {}
   # Lines end at "\n" (a "\r" before it is dropped by the strip below), as
   # editors number them; str.splitlines would also break at a lone "\r".
@@ -83,7 +84,7 @@ def _parse_layout(path, lineno, line, col0, spec, shape, axes) -> Layout:
                        "partial=AXIS[,AXIS], orderK=CHUNK,CHUNK[,...] or replicated",
                        lineno, col + 1)
     names = tuple(m.group(3).split(","))
-    unknown = [a for a in names if a not in axes]
+    unknown = [a for a in names if axes is not None and a not in axes]
     if unknown:
       raise InputError(path, f"unknown mesh axis {unknown[0]!r} (mesh axes: "
                        f"{', '.join(axes) or 'none'})", lineno, col + 1)

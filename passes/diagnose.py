@@ -95,6 +95,28 @@ def _cap_words(inf, values: Sequence[ir.Value], depth: int = 2) -> Optional[str]
   return None
 
 
+def _constant_words(inf, op: ir.Op) -> Optional[str]:
+  """An input-free value (positions, a mask) whose numbers no per-device value
+  holds: the one holding its tiles at the most ranks, and where it does not."""
+  if len(op.results) != 1 or not inf.constant_values.is_known(op.results[0]):
+    return None
+  near = inf.constant_values.nearest(op.results[0])
+  if near is None:
+    return (f"this {op.name} depends on no input, and no per-device value computed from "
+            "constants alone holds its tiles under any tiling (or the inputs' chunk orders)")
+  d, layout, right, wrong = near
+  names = inf.mesh.axis_names
+
+  def at(coords):
+    if len(names) == 1:
+      return f"{names[0]} = {', '.join(str(c) for (c,) in coords)}"
+    return "; ".join(f"({', '.join(f'{a}={c}' for a, c in zip(names, coord))})"
+                     for coord in coords)
+  return (f"this {op.name} depends on no input; {_dname(d)} (computed from constants) holds "
+          f"its tiles as {layout.describe('d')} at {at(right)} but not at {at(wrong)} "
+          "(a table with wrong entries, or one for another layout?)")
+
+
 def _scale_origin_words(inf, v: ir.Value, start, members: dict) -> str:
   """'; it is off by a factor since the per-device %reduce_scatter.7 at
   zero.py:59, where the distributed value is 4 times the sequential %591
@@ -755,7 +777,7 @@ def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   for words in (_ring_words(inf, op), _share_words(inf, op) or _fold_words(inf, op),
                 pin_words or _pin_words(inf, op),
                 _iota_words(inf, op), _indexed_tile_words(inf, op),
-                _chunk_order_words(inf, op)):
+                _chunk_order_words(inf, op), _constant_words(inf, op)):
     if words:
       problems.append(words)
   counterpart = _counterpart_words(inf, op)

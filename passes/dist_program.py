@@ -91,18 +91,27 @@ def _from_manual(module: ir.Module) -> DistProgram:
   param_layouts: list[Optional[Layout]] = [None] * len(main.params)
   graph = ir.Graph("per_device")
   graph.params = [None] * len(main.params)  # type: ignore[list-item]
+  hoisted: list[ir.Op] = []
   for operand, body_param, sh in zip(op.operands, body.params, in_sh):
     i = positions.get(id(operand))
+    layout = shd.layout_from_sdy(sh, operand.type.rank)
+    if i is None and operand.producer is not None and operand.producer.name == "constant" \
+        and layout == Layout.replicated(operand.type.rank):
+      # A constant the body closes over (a numpy table), passed in whole:
+      # every rank's copy is that constant.
+      hoisted.append(_constant_as(operand.producer, body_param))
+      continue
     if i is None:
-      raise InputError(module.path, "shard_map operands must be main's parameters")
+      raise InputError(module.path, "shard_map operands must be main's parameters "
+                       "or constants given whole")
     graph.params[i] = body_param
-    param_layouts[i] = shd.layout_from_sdy(sh, operand.type.rank)
+    param_layouts[i] = layout
   missing = [i for i, p in enumerate(graph.params) if p is None]
   if missing:
     raise InputError(module.path, f"parameters {missing} are not used by the shard_map")
   graph.param_locations = list(main.param_locations)
   graph.param_attrs = list(main.param_attrs)
-  graph.ops = body.ops
+  graph.ops = hoisted + body.ops
   graph.results = body.results
   results = {id(r): i for i, r in enumerate(op.results)}
   order = [results.get(id(r)) for r in main.results]
@@ -112,6 +121,14 @@ def _from_manual(module: ir.Module) -> DistProgram:
   result_layouts = [shd.layout_from_sdy(out_sh[i], op.results[i].type.rank)  # type: ignore[index]
                     for i in order]
   return DistProgram(module, graph, mesh, param_layouts, result_layouts, "shard_map")
+
+
+def _constant_as(constant: ir.Op, value: ir.Value) -> ir.Op:
+  """A copy of ``constant`` producing ``value`` (a body parameter it fed)."""
+  op = ir.Op("constant", [], dict(constant.attrs), [], constant.location)
+  op.results = [value]
+  value.producer, value.index = op, 0
+  return op
 
 
 def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:

@@ -32,6 +32,7 @@ from graphguard_hlo.passes.canonicalize import canonical_local_op
 from graphguard_hlo.passes.chunk_order import ChunkSources, result_order
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change, squeezed_variants
 from graphguard_hlo.passes.collectives import reducer_kind
+from graphguard_hlo.passes.constant_values import ConstantValues
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.dist_program import DistProgram
 from graphguard_hlo.passes.layout import Layout, tilings_with_local_shape
@@ -224,6 +225,9 @@ class RelationInference:
     self._step_memo: dict[tuple, list] = {}
     self.splats: dict[int, float] = {}
     self.input_layouts = input_layouts or dist.param_layouts
+    self.constant_values = ConstantValues(
+        self.seq, dist.graph, self.mesh,
+        frozenset(chunks for l in self.input_layouts if l for _, chunks in l.order))
     self.lookups = 0
     self.sums = SumRegrouping(self)
     self.pieces = Pieces(self)
@@ -400,6 +404,13 @@ class RelationInference:
       unrelated = [r for r in op.results if r.id not in self.splats
                    and not self.known_relations(r) and r.id not in self.deferred
                    and not self.pieces.has(r)]
+      if unrelated and all(self.constant_values.is_known(r) for r in op.results):
+        # Input-free, with no counterpart yet (an iota the per-device program
+        # only has folded into a table): a reader computed from it alone may
+        # relate by its numbers; any other reader reports this op.
+        for r in op.results:
+          self.defer(r, op)
+        continue
       if unrelated and self.deferred_origin(op.operands) is not None:
         pin_words = held_at_different_ranks(self, op)
         if pin_words:
@@ -518,6 +529,11 @@ class RelationInference:
     if op.name == "add" and not self.whole_relations(op.results[0]) \
         and not self.pieces.has(op.results[0]):
       self.sums.regroup_add(op)
+    if len(op.results) == 1 and not self.relations.get(op.results[0].id) \
+        and not self.pieces.has(op.results[0]) and op.results[0].id not in self.deferred:
+      # An input-free value computed another way (a table XLA folded): by its numbers.
+      for d, layout in self.constant_values.relations(op.results[0]):
+        self.add_relation(op.results[0], Relation(self.deg.of(d), layout, "same-numbers"))
 
   def seq_op(self, op: ir.Op) -> SeqOp:
     """What lemmas read of a sequential op, with the facts they cannot see

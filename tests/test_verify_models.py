@@ -91,6 +91,12 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/cp_zigzag_loaded/shard_map/batch_contiguous":
         "operand %455 holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), "
         "operand %71 holds them in sequence order (contiguous shards)",
+    "llama3/cp_zigzag_loaded/gspmd/rope_positions_contiguous":
+        "operand %71 holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), "
+        "operand %455 holds them in sequence order (contiguous shards)",
+    "llama3/cp_zigzag_loaded/gspmd/mask_contiguous":
+        "operand %106 holds the chunks of dim 2 in the order 0 7 1 6 2 5 3 4 (zig-zag), "
+        "operand %386 holds them in sequence order (contiguous shards)",
     "gpt2/cp_zigzag_loaded/shard_map/batch_contiguous":
         "operand %489 holds the chunks of dim 1 in the order 0 7 1 6 2 5 3 4 (zig-zag), "
         "operand %40 holds them in sequence order (contiguous shards)",

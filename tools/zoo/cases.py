@@ -94,8 +94,7 @@ class Case:
       from graphguard_hlo.passes.layout import reorder_chunks
       from graphguard_hlo.relation_file import parse_relation_file
       given = parse_relation_file(f"<{self.name}>", self.relation,
-                                  [tuple(a.shape) for a in self.seq_args],
-                                  list(self.mesh.axis_names))
+                                  [tuple(a.shape) for a in self.seq_args], axes=None)
       for i, layout in given.items():
         x = np.asarray(inputs[i])
         for dim, chunks in layout.order:
@@ -107,10 +106,12 @@ class Case:
     """The invariants every zoo case keeps (AssertionError naming the case)."""
     assert self.style in ("shard_map", "gspmd"), self.name
     assert (self.bug is None) == (self.bug_primitive is None), self.name
-    if self.style == "gspmd":  # the sequential function itself, partitioned by XLA
-      # (or the same model with its scanned layer under jax.checkpoint)
+    if self.style == "gspmd" and self.relation is None:
+      # The sequential function itself, partitioned by XLA (or the same model
+      # with its scanned layer under jax.checkpoint): bugs are XLA's edits.
       assert (self.bug is None) == (self.dist_edit is None), self.name
       assert self.dist_fn is self.seq_fn or "_remat" in self.name, self.name
+    if self.style == "gspmd":  # (with a relation: the user's own program for a reordered batch)
       assert self.in_shardings is not None and self.out_shardings is not None, self.name
     else:
       assert self.dist_edit is None, self.name

@@ -945,6 +945,30 @@ CP_ZIGZAG_LOADED = _Strategy("cp_zigzag_loaded", (4,), ("cp",), P(None, "cp"),
 CP_ZIGZAG_LOADED_RING_ATTENTION = dataclasses.replace(
     CP_ZIGZAG_LOADED, name="cp_zigzag_loaded_ring_attention",
     par=lambda: _zigzag_loaded_par(attend=_ring_attention("cp", 1, block_mask=_zigzag_block_mask)))
+
+
+def _zigzag_numbers(n: int) -> np.ndarray:
+  """0..n-1 in the zig-zag order of the batch (as a numpy constant: XLA folds
+  what is computed from it into a table each partition cuts its rows from)."""
+  return np.concatenate([np.split(np.arange(n), 8)[c] for c in
+                         (int(c) for c in _ZIGZAG_CHUNKS.split(","))])
+
+
+def _zigzag_tables_par(positions: bool = True, mask: bool = True) -> Parallel:
+  """Zig-zag context parallelism under GSPMD, as MaxText writes it: the model
+  is given the loader's zig-zag batch whole and reads its positions and causal
+  mask from tables in the same order.  The bugs: either left in sequence
+  order (``positions=False``, ``mask=False``)."""
+  def zigzag_positions(n):
+    return jnp.asarray(_zigzag_numbers(n), jnp.float32)
+
+  def zigzag_mask(sq, sk):
+    rows = _zigzag_numbers(sk)
+    return jnp.asarray(rows[:, None] >= rows[None, :])
+  return dataclasses.replace(SEQUENTIAL, **({"positions": zigzag_positions} if positions else {}),
+                             **({"causal_mask": zigzag_mask} if mask else {}))
+
+
 # The chunks taken by index, as Megatron writes it.
 CP_ZIGZAG_TAKE = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_take", par=functools.partial(
     _cp_zigzag_par, cut=_zigzag_chunks_by_index))
@@ -1151,6 +1175,33 @@ def _gspmd_case(model, strategy, cfg) -> Case:
               style="gspmd", bug=None, bug_primitive=None,
               out_shardings=NamedSharding(mesh, P()),
               in_shardings=tuple(NamedSharding(mesh, s) for s in specs))
+
+
+def _gspmd_zigzag_case(model, cfg, grad: bool = False, variant: str = "ok", bug=None,
+                       bug_primitive=None, **tables) -> Case:
+  """Zig-zag context parallelism under GSPMD: the batch split over the 4 ranks
+  of "cp" as the loader orders it (the case's relation, in XLA's atomic axis
+  name), the model reading positions and mask from zig-zag tables
+  (``_zigzag_tables_par``); ``grad``: its training step."""
+  strategy = CP_ZIGZAG_LOADED
+  cfg = _cfg(strategy, cfg)
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  specs = _in_specs(model, strategy, cfg)
+  name = f"{strategy.name}_grad" if grad else strategy.name
+  seq_fn = _seq_fn(model, cfg)
+  dist_fn = loss_fn(model, cfg, _zigzag_tables_par(**tables), name=_ident(model, name, variant))
+  shard = lambda spec: NamedSharding(mesh, spec)
+  out_shardings = shard(P())
+  if grad:
+    n_params = len(param_specs(model, cfg))
+    seq_fn = _named(_loss_and_grads(seq_fn, n_params), _ident(model, name, "seq"))
+    dist_fn = _named(_loss_and_grads(dist_fn, n_params), _ident(model, name, variant))
+    out_shardings = (shard(P()), tuple(shard(spec) for spec in specs[2:]))
+  return Case(name=f"{model}/{name}/gspmd/{variant}", seq_fn=seq_fn, dist_fn=dist_fn,
+              seq_args=_seq_args(model, cfg), dist_args=_dist_args(model, cfg, mesh, specs),
+              mesh=mesh, style="gspmd", bug=bug, bug_primitive=bug_primitive,
+              out_shardings=out_shardings, in_shardings=tuple(shard(spec) for spec in specs),
+              relation=_ZIGZAG_BATCH.replace("=cp ", "=a0 "))
 
 
 def _partitioner_bug(model, strategy: _Strategy, cfg, grad: bool, variant: str, edit,
@@ -2008,6 +2059,21 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                contiguous_batch.par(), "wrong_shard_offset", "multiply"))
   built.append(_shard_map_case("gpt2", contiguous_batch, cfg, "batch_contiguous",
                                contiguous_batch.par(), "wrong_shard_offset", "add"))
+  # ... and under GSPMD (MaxText's form): the zig-zag batch split over "cp",
+  # positions and mask read from zig-zag tables, which XLA folds into
+  # constants every partition cuts its rows from (related to the sequential
+  # iota and mask by their numbers, passes/constant_values.py).  Llama-3 only:
+  # GPT-2's learned positions would be a reorder of a parameter, which XLA
+  # lowers to collective-permutes of its pieces (not proved).  The bugs: the
+  # positions or the mask left in sequence order.
+  built.append(_gspmd_zigzag_case("llama3", cfg))
+  if grad:
+    built.append(_gspmd_zigzag_case("llama3", cfg, grad=True))
+  built.append(_gspmd_zigzag_case("llama3", cfg, variant="rope_positions_contiguous",
+                                  bug="wrong_shard_offset", bug_primitive="multiply",
+                                  positions=False))
+  built.append(_gspmd_zigzag_case("llama3", cfg, variant="mask_contiguous",
+                                  bug="mask_no_offset", bug_primitive="select", mask=False))
   # Zig-zag chunks with the ring: each block written at its rank's place, the
   # ring's reduce-scatter backward; the ring turning the wrong way.
   for model in MODELS:
