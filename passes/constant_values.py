@@ -16,6 +16,17 @@ equals its tile of the sequential value exactly.  That is a proof, rank by
 rank, for these inputs-free values, the way ``rank_tables`` follows pieces
 rank by rank.  Values past ``MAX_ELEMENTS`` (on either side) are not computed:
 this is for tables, not for whole activations.
+
+The numbers are the reference interpreter's, so only values it computes
+exactly as XLA does are trusted (``_exact``): constants, data movement,
+comparisons and selects, integer arithmetic that stays in range, and converts
+that lose nothing.  Float arithmetic (XLA's transcendentals, bfloat16
+rounding, f32 products are not numpy's to the last bit) and converts that
+round, wrap or saturate make a value untrusted, and so does everything after.
+An audit found such false proofs before this rule: a float to int convert out
+of range (numpy wraps, XLA saturates), ``tanh``'s last bits, bfloat16 sums
+kept in f32.  Values are compared bit for bit in their own type (-0.0 is not
+0.0, int64 past 2^53 is not rounded through float64).
 """
 
 from __future__ import annotations
@@ -27,9 +38,25 @@ import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords
-from graphguard_hlo.passes.layout import Layout, shard, tilings_with_local_shape
+from graphguard_hlo.passes.layout import (Layout, reorder_chunks, tile_index,
+                                          tilings_with_local_shape)
+from graphguard_hlo.reference import is_integer_type, type_bounds
 
 MAX_ELEMENTS = 1 << 16
+
+# Ops whose result the interpreter computes exactly as XLA does, whatever the
+# (trusted) operands: they only move or pick values.
+_MOVES = frozenset({"constant", "broadcast_in_dim", "reshape", "transpose", "slice",
+                    "concatenate", "reverse", "copy", "pad", "select", "dynamic_slice",
+                    "dynamic_update_slice", "partition_id"})
+# Integer arithmetic, exact while the result stays in its type's range
+# (checked against Python's integers).
+_INTEGER_ARITHMETIC = {
+    "add": lambda a, b: a + b, "subtract": lambda a, b: a - b,
+    "multiply": lambda a, b: a * b, "negate": lambda a: -a, "abs": abs,
+    "maximum": max, "minimum": min, "and": lambda a, b: a & b, "or": lambda a, b: a | b,
+    "xor": lambda a, b: a ^ b,
+}
 
 
 def _small_ops(graph: ir.Graph) -> list[ir.Op]:
@@ -37,6 +64,77 @@ def _small_ops(graph: ir.Graph) -> list[ir.Op]:
   bodies are related by loops.py), no result past MAX_ELEMENTS."""
   return [op for op in graph.ops if op.name != "while"
           and all(int(np.prod(r.type.shape)) <= MAX_ELEMENTS for r in op.results)]
+
+
+def _integral(x: np.ndarray, dtype: str) -> bool:
+  """Are all of ``x`` integers that ``dtype`` holds exactly?"""
+  bounds = type_bounds(dtype)
+  if bounds is None:
+    return False
+  if x.size == 0:
+    return True
+  if x.dtype.kind == "f" and not np.all(np.isfinite(x) & (np.trunc(x) == x)):
+    return False
+  values = [int(v) for v in x.ravel().tolist()]
+  return bounds[0] <= min(values) and max(values) <= bounds[1]
+
+
+def _exact(op: ir.Op, args: list[np.ndarray], out: np.ndarray) -> bool:
+  """Did the interpreter compute ``out`` of ``op`` on ``args`` as XLA does?"""
+  name, dtype = op.name, op.results[0].type.dtype
+  if name in _MOVES:
+    return True
+  if name == "iota":
+    return is_integer_type(dtype) or _integral(np.asarray(op.results[0].type.shape), dtype)
+  if name == "compare":
+    return not any(a.dtype.kind == "f" and np.isnan(a).any() for a in args)
+  if name == "convert":
+    (x,), source = args, op.operands[0].type.dtype
+    if source == dtype or source in ("pred", "i1") or x.size == 0:
+      return True
+    if dtype in ("pred", "i1"):
+      return not (x.dtype.kind == "f" and np.isnan(x).any())
+    if is_integer_type(dtype) or is_integer_type(source):
+      return _integral(x, dtype)  # no rounding, wrapping or saturating
+    return (source, dtype) in {("f16", "f32"), ("bf16", "f32"), ("f16", "f64"), ("bf16", "f64"),
+                               ("f32", "f64")}  # widening
+  if not is_integer_type(dtype) or dtype in ("pred", "i1") and name not in ("and", "or", "xor"):
+    return False  # float arithmetic, transcendentals, reductions: not bit for bit
+  if name in ("divide", "remainder"):
+    # XLA truncates toward zero and numpy floors: alike on nonnegative operands.
+    return bool(np.all(args[0] >= 0) and np.all(args[1] > 0))
+  if name in _INTEGER_ARITHMETIC:
+    operands = [[int(v) for v in np.broadcast_to(a, out.shape).ravel().tolist()] for a in args]
+    exact = [_INTEGER_ARITHMETIC[name](*vs) for vs in zip(*operands)]
+    got = [int(v) for v in out.ravel().tolist()]
+    bounds = type_bounds(dtype)
+    return exact == got and all(bounds[0] <= v <= bounds[1] for v in exact)
+  return False
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+  """Equal in their own type, bit for bit (-0.0 is not 0.0; no float64 detour)."""
+  a, b = np.asarray(a), np.asarray(b)
+  if a.dtype != b.dtype or a.shape != b.shape:
+    return False
+  if a.dtype.kind == "f":
+    a, b = a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}")
+  return bool(np.array_equal(a, b))
+
+
+def _exact_values(ops: list[ir.Op], ranks: int) -> dict:
+  """The values of ``ops`` the interpreter computes as XLA does on every rank,
+  from constants (and the partition id) alone."""
+  interpreter, env = Interpreter(ranks), {}
+  for op in ops:
+    if len(op.results) != 1 or any(v.id not in env for v in op.operands):
+      continue
+    interpreter.run_ops([op], env)
+    r = op.results[0]
+    if r.id in env and not all(_exact(op, [np.asarray(env[v.id][k]) for v in op.operands],
+                                      np.asarray(env[r.id][k])) for k in range(ranks)):
+      del env[r.id]
+  return env
 
 
 class ConstantValues:
@@ -79,11 +177,23 @@ class ConstantValues:
       if dtype != s.type.dtype or len(shape) != s.type.rank:
         continue
       for layout in self._layouts(s.type.shape, shape):
-        tiles = shard(layout, self.mesh, want)
+        tiles = {c: self._tile(want, layout, c) for c in self._coords}
         for d in values:
           per_rank = self._dist_env[d.id]
           yield d, layout, [c for k, c in enumerate(self._coords)
-                            if not np.array_equal(np.asarray(per_rank[k], np.float64), tiles[c])]
+                            if not _same_bits(per_rank[k], tiles[c])]
+
+  def _tile(self, whole: np.ndarray, layout: Layout, coord: tuple) -> np.ndarray:
+    """Rank ``coord``'s tile of ``whole`` under ``layout`` (plain, maybe reordered)."""
+    for k, chunks in layout.order:
+      whole = reorder_chunks(whole, k, chunks)
+    r = dict(zip(self.mesh.axis_names, coord))
+    index = []
+    for size, axes in zip(whole.shape, layout.dims):
+      n = int(np.prod([self.mesh.axis_size(a) for a in axes]))
+      i = tile_index(axes, r, self.mesh)
+      index.append(slice(i * (size // n), (i + 1) * (size // n)))
+    return whole[tuple(index)]
 
   def is_known(self, s: ir.Value) -> bool:
     """Is ``s`` input-free (and small enough to compute)?"""
@@ -98,10 +208,9 @@ class ConstantValues:
 
   def _seq_value(self, s: ir.Value) -> Optional[np.ndarray]:
     if self._seq_env is None:
-      self._seq_env = {}
-      Interpreter(1).run_ops(_small_ops(self.seq), self._seq_env)
+      self._seq_env = _exact_values(_small_ops(self.seq), 1)
     found = self._seq_env.get(s.id)
-    return None if found is None else np.asarray(found[0], np.float64)
+    return None if found is None else np.asarray(found[0])
 
   def _dist_values(self) -> dict:
     """Per-device values known on every rank, by (shape, dtype)."""
@@ -111,7 +220,7 @@ class ConstantValues:
         self._coords = mesh_coords(self.mesh)
       except Unsupported:
         return self._dist_by_type
-      Interpreter(len(self._coords)).run_ops(_small_ops(self.dist), self._dist_env)
+      self._dist_env = _exact_values(_small_ops(self.dist), len(self._coords))
       for op in self.dist.ops:
         for r in op.results:
           if r.id in self._dist_env:

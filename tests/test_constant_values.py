@@ -129,3 +129,69 @@ def test_an_iota_read_with_the_inputs_is_reported_at_the_iota():
   result = _verify(seq, dist, (N,), None)
   assert not result.refines
   assert "no rank offset" in result.failure.diagnosis
+
+
+# False proofs an audit found before values were trusted only where the
+# interpreter computes them as XLA does (``constant_values._exact``): each is a
+# sequential formula against a numpy table the interpreter computes alike but
+# XLA does not.  All must be left not proved, and their outputs differ.
+_IOTA = np.arange(N, dtype=np.float32)
+_SQUARES_NEGATIVE_ZERO = _IOTA ** 2
+_SQUARES_NEGATIVE_ZERO[0] = -0.0
+with np.errstate(all="ignore"):
+  _AUDIT_CASES = {
+      # numpy wraps a float to int32 out of range, XLA saturates
+      "convert_saturates": (
+          lambda: ((jnp.arange(N, dtype=jnp.float32) * 1e9).astype(jnp.int32)
+                   // (1 << 24)).astype(jnp.float32),
+          ((_IOTA * np.float32(1e9)).astype(np.int32) // (1 << 24)).astype(np.float32), None),
+      # numpy wraps a negative float to uint32, XLA gives 0
+      "convert_negative_to_unsigned": (
+          lambda: ((jnp.arange(N, dtype=jnp.float32) - 8.0).astype(jnp.uint32) % 7
+                   ).astype(jnp.float32),
+          ((_IOTA - 8).astype(np.uint32) % 7).astype(np.float32), None),
+      # numpy's tanh and XLA's differ in the last bit at some positions
+      "tanh_last_bits": (
+          lambda: (jnp.tanh(jnp.arange(N, dtype=jnp.float32))
+                   == jnp.asarray(np.tanh(_IOTA))).astype(jnp.float32),
+          np.ones(N, np.float32), None),
+      # bfloat16 sums rounded by XLA after every op, not by the interpreter
+      "bfloat16_rounding": (
+          lambda: ((jnp.arange(N, dtype=jnp.bfloat16) + jnp.bfloat16(256))
+                   - jnp.bfloat16(256)).astype(jnp.float32),
+          _IOTA, None),
+      # f32 products with scalar constants, not float64 ones
+      "float32_products": (
+          lambda: (((jnp.arange(N, dtype=jnp.float32) * 0.1) * 10.0)
+                   == jnp.arange(N, dtype=jnp.float32)).astype(jnp.float32),
+          np.eye(1, N, 0, dtype=np.float32)[0], None),
+      # -0.0 is not 0.0: 1 / -0.0 is -inf
+      "negative_zero": (
+          lambda: jnp.arange(N, dtype=jnp.float32) * jnp.arange(N, dtype=jnp.float32),
+          _SQUARES_NEGATIVE_ZERO, lambda v: jnp.sign(1.0 / v)),
+  }
+
+
+@pytest.mark.parametrize("name", sorted(_AUDIT_CASES))
+def test_a_table_the_interpreter_alone_agrees_with_is_not_proved(name):
+  formula, table, then = _AUDIT_CASES[name]
+  then = then or (lambda v: v)
+
+  def seq(x):
+    return jnp.sum(x * then(formula()))
+
+  def local(x):
+    rows = lax.dynamic_slice_in_dim(jnp.asarray(table), lax.axis_index("cp") * 4, 4)
+    return lax.psum(jnp.sum(x * then(rows)), "cp")
+  dist = shard_map(local, mesh=_mesh(), in_specs=P("cp"), out_specs=P())
+  assert not _verify(seq, dist, (N,), None).refines
+  seq_out, dist_out = _run(seq, dist, (N,), [])
+  assert not np.isclose(seq_out, dist_out, rtol=1e-3)
+
+
+def test_values_are_compared_bit_for_bit_in_their_type():
+  from graphguard_hlo.passes.constant_values import _same_bits
+  assert _same_bits(np.float32([1.0, 0.0]), np.float32([1.0, 0.0]))
+  assert not _same_bits(np.float32([0.0]), np.float32([-0.0]))
+  assert not _same_bits(np.int64([2 ** 53 + 1]), np.int64([2 ** 53]))  # equal as float64
+  assert not _same_bits(np.int32([1]), np.float32([1.0]))
