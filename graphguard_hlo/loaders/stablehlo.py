@@ -141,7 +141,13 @@ class _Importer:
         continue
       # mhlo ops left by XLA's converter (mhlo.copy, ...) go by their plain names.
       name = full.removeprefix("stablehlo.").removeprefix("func.").removeprefix("mhlo.")
-      attrs = _attr_map(op.attributes)
+      if name == "constant" and "complex<" in str(op.results[0].type):
+        # Reading a complex elements attribute aborts the process inside the
+        # bindings (a C++ exception no Python handler sees): read its text.
+        shape = _tensor_type(op.results[0].type).shape
+        attrs = {"value": ir.ConstantArray(_complex_value(str(op), shape))}
+      else:
+        attrs = _attr_map(op.attributes)
       regions = [self._import_region(r, f"{name}.r{i}") for i, r in enumerate(op.regions)]
       name, attrs = _canonicalize(name, attrs, operands, self.module)
       res_types = [_tensor_type(r.type) for r in op.results]
@@ -262,6 +268,19 @@ def _dense_value(attr) -> np.ndarray:
     except (ValueError, IndexError):
       raise InputError(None, f"cannot read constant {str(attr)[:60]}") from None
   return ir.ConstantArray(arr)
+
+
+def _complex_value(text: str, shape: tuple[int, ...]) -> np.ndarray:
+  """A complex constant's elements: the ``(re, im)`` pairs of its printed
+  ``dense<...>`` (hex-encoded elements are not read)."""
+  number = r"\s*([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|inf|nan))\s*"
+  body = text[text.find("dense<"):].split(">")[0]
+  pairs = re.findall(rf"\({number},{number}\)", body)
+  try:
+    values = np.array([complex(float(re_), float(im)) for re_, im in pairs])
+    return np.full(shape, values[0]) if len(values) == 1 else values.reshape(shape)
+  except (ValueError, IndexError):
+    raise InputError(None, f"cannot read the complex constant {body[:60]}") from None
 
 
 def _sdy_sharding(attr) -> ir.SdySharding:
