@@ -40,7 +40,7 @@ from graphguard_hlo import ir
 from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords
 from graphguard_hlo.passes.layout import (Layout, reorder_chunks, tile_index,
                                           tilings_with_local_shape)
-from graphguard_hlo.reference import is_integer_type, type_bounds
+from graphguard_hlo.reference import _NUMPY_DTYPES, is_integer_type, type_bounds
 
 MAX_ELEMENTS = 1 << 16
 
@@ -79,14 +79,45 @@ def _integral(x: np.ndarray, dtype: str) -> bool:
   return bounds[0] <= min(values) and max(values) <= bounds[1]
 
 
+def _in_own_type(x: np.ndarray, dtype: str) -> Optional[np.ndarray]:
+  """``x`` held in the numpy type of IR type ``dtype``, if that loses nothing
+  (a splat read as float64 for an f32 constant); None for types numpy has
+  none of (bfloat16, f8, 4-bit ints: the interpreter holds them in wider
+  types and does not round as XLA does) or values the type cannot hold."""
+  target = _NUMPY_DTYPES.get(dtype)
+  if target is None:
+    return None
+  x = np.asarray(x)
+  if x.dtype == target:
+    return x
+  with np.errstate(all="ignore"):
+    y = x.astype(target)
+    back = y.astype(x.dtype)
+  same = np.array_equal(back, x, equal_nan=True)
+  if same and x.dtype.kind == "f":
+    same = np.array_equal(np.signbit(back), np.signbit(x))
+  return y if same else None
+
+
+# Index types XLA's constant folding reads as the runtime does: narrow unsigned
+# starts of a dynamic_slice fold to another offset than they run at (u8 200).
+_TRUSTED_INDEX_TYPES = frozenset({"i8", "i16", "i32", "i64", "ui32", "ui64"})
+
+
 def _exact(op: ir.Op, args: list[np.ndarray], out: np.ndarray) -> bool:
   """Did the interpreter compute ``out`` of ``op`` on ``args`` as XLA does?"""
   name, dtype = op.name, op.results[0].type.dtype
+  if name in ("dynamic_slice", "dynamic_update_slice"):
+    first = 1 if name == "dynamic_slice" else 2
+    return all(v.type.dtype in _TRUSTED_INDEX_TYPES for v in op.operands[first:])
   if name in _MOVES:
     return True
   if name == "iota":
     return is_integer_type(dtype) or _integral(np.asarray(op.results[0].type.shape), dtype)
   if name == "compare":
+    # The interpreter ignores the compare type: TOTALORDER orders -0.0 and NaNs.
+    if "TOTALORDER" in str(op.attrs.get("compare_type", "")):
+      return not any(a.dtype.kind == "f" for a in args)
     return not any(a.dtype.kind == "f" and np.isnan(a).any() for a in args)
   if name == "convert":
     (x,), source = args, op.operands[0].type.dtype
@@ -101,8 +132,12 @@ def _exact(op: ir.Op, args: list[np.ndarray], out: np.ndarray) -> bool:
   if not is_integer_type(dtype) or dtype in ("pred", "i1") and name not in ("and", "or", "xor"):
     return False  # float arithmetic, transcendentals, reductions: not bit for bit
   if name in ("divide", "remainder"):
-    # XLA truncates toward zero and numpy floors: alike on nonnegative operands.
-    return bool(np.all(args[0] >= 0) and np.all(args[1] > 0))
+    # XLA truncates toward zero, Python floors: alike on nonnegative operands.
+    a, b = ([int(v) for v in np.broadcast_to(x, out.shape).ravel().tolist()] for x in args)
+    if any(x < 0 for x in a) or any(y <= 0 for y in b):
+      return False
+    exact = [x // y if name == "divide" else x % y for x, y in zip(a, b)]
+    return exact == [int(v) for v in out.ravel().tolist()]
   if name in _INTEGER_ARITHMETIC:
     operands = [[int(v) for v in np.broadcast_to(a, out.shape).ravel().tolist()] for a in args]
     exact = [_INTEGER_ARITHMETIC[name](*vs) for vs in zip(*operands)]
@@ -131,9 +166,14 @@ def _exact_values(ops: list[ir.Op], ranks: int) -> dict:
       continue
     interpreter.run_ops([op], env)
     r = op.results[0]
-    if r.id in env and not all(_exact(op, [np.asarray(env[v.id][k]) for v in op.operands],
-                                      np.asarray(env[r.id][k])) for k in range(ranks)):
+    if r.id not in env:
+      continue
+    held = [_in_own_type(x, r.type.dtype) for x in env[r.id]]
+    if any(x is None for x in held) or not all(
+        _exact(op, [env[v.id][k] for v in op.operands], held[k]) for k in range(ranks)):
       del env[r.id]
+    else:
+      env[r.id] = held
   return env
 
 

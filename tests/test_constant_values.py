@@ -195,3 +195,52 @@ def test_values_are_compared_bit_for_bit_in_their_type():
   assert not _same_bits(np.float32([0.0]), np.float32([-0.0]))
   assert not _same_bits(np.int64([2 ** 53 + 1]), np.int64([2 ** 53]))  # equal as float64
   assert not _same_bits(np.int32([1]), np.float32([1.0]))
+
+
+def _table_case(seq, table_rows):
+  """``seq`` against a per-device program reading its rows of a table and
+  summing ``x`` where they hold (or times them): not proved, outputs differ."""
+  dist = shard_map(lambda x: lax.psum(jnp.sum(table_rows(x)), "cp"), mesh=_mesh(),
+                   in_specs=P("cp"), out_specs=P())
+  assert not _verify(seq, dist, (N,), None).refines
+  seq_out, dist_out = _run(seq, dist, (N,), [])
+  assert not np.isclose(seq_out, dist_out, rtol=1e-3)
+
+
+def _rows(table):
+  return lax.dynamic_slice_in_dim(jnp.asarray(table), lax.axis_index("cp") * 4, 4)
+
+
+def test_a_totalorder_compare_is_not_read_as_numpy_compares():
+  # TOTALORDER tells -0.0 from 0.0, numpy does not; the compare reads the
+  # partition's rows, so XLA runs it rather than folding it.
+  a = np.arange(N, dtype=np.float32) * 7 % 16
+  a[0] = -0.0
+  b = a.copy()
+  b[0], b[3] = 0.0, 100.0
+  seq_mask = np.ones(N, bool)
+  seq_mask[3] = False
+  _table_case(lambda x: jnp.sum(jnp.where(jnp.asarray(seq_mask), x, 0.0)),
+              lambda x: jnp.where(lax.eq_to_p.bind(_rows(a), _rows(b)), x, 0.0))
+
+
+def test_a_slice_at_a_narrow_unsigned_start_is_not_trusted():
+  # XLA folds dynamic_slice(arange(300), u8 200) to start 0 and runs it at 200.
+  def seq(x):
+    return jnp.sum(x * lax.dynamic_slice(jnp.arange(300, dtype=jnp.float32),
+                                         (jnp.asarray(np.uint8(200)),), (N,)))
+  _table_case(seq, lambda x: x * _rows(np.arange(200, 200 + N, dtype=np.float32)))
+
+
+def test_an_int4_quotient_is_not_trusted():
+  # The interpreter holds int4 in float64, where 7 / 2 is 3.5.
+  import ml_dtypes
+  a = (np.arange(N) % 8).astype(ml_dtypes.int4)
+  b = np.full(N, 2, ml_dtypes.int4)
+  b[0] = 3
+  c = np.asarray((np.arange(N) % 8 // np.asarray(b, np.int64)).astype(ml_dtypes.int4))
+  float_quotients = (np.asarray(a, np.float64) / np.asarray(b, np.float64)) == np.asarray(c, np.float64)
+
+  def seq(x):
+    return jnp.sum(jnp.where(lax.div(jnp.asarray(a), jnp.asarray(b)) == jnp.asarray(c), x, 0.0))
+  _table_case(seq, lambda x: jnp.where(_rows(float_quotients), x, 0.0))
