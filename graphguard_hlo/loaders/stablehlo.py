@@ -260,14 +260,60 @@ def _dense_value(attr) -> np.ndarray:
         arr = arr.reshape(shape)
   except Exception:
     # bf16 and other types numpy has no buffer format for: read the text.
-    nums = re.findall(r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|inf|nan|true|false)",
-                      str(attr).split(":")[0].replace("0x", "#"))
-    try:
-      vals = [1.0 if n == "true" else 0.0 if n == "false" else float(n) for n in nums]
-      arr = np.full(shape, vals[0]) if len(vals) == 1 else np.array(vals).reshape(shape)
-    except (ValueError, IndexError):
-      raise InputError(None, f"cannot read constant {str(attr)[:60]}") from None
+    element = str(mlir_ir.ShapedType(dense.type).element_type)
+    arr = _dense_from_text(str(attr), shape, element)
   return ir.ConstantArray(arr)
+
+
+# MLIR's names of the element types numpy has no buffer format for, as ml_dtypes'.
+_ML_DTYPES = {"bf16": "bfloat16", "f8E5M2": "float8_e5m2", "f8E4M3FN": "float8_e4m3fn",
+              "f8E4M3B11FNUZ": "float8_e4m3b11fnuz", "f8E5M2FNUZ": "float8_e5m2fnuz",
+              "f8E4M3FNUZ": "float8_e4m3fnuz", "f8E4M3": "float8_e4m3", "f8E3M4": "float8_e3m4",
+              "f4E2M1FN": "float4_e2m1fn", "f8E8M0FNU": "float8_e8m0fnu"}
+_TOKEN = re.compile(r"0x[0-9A-Fa-f]+|[-+]?(?:inf|nan)|[-+]?\d+\.?\d*(?:[eE][-+]?\d+)?|true|false")
+
+
+def _dense_from_text(text: str, shape: tuple[int, ...], element: str) -> np.ndarray:
+  """A ``dense<...>`` constant's elements from its printed form, as float64
+  (integers for integer types): decimals, ``0x`` bit patterns of one element
+  (MLIR prints a bfloat16 -inf as 0xFF80), or one ``"0x..."`` blob of every
+  element's bytes (large constants).  Anything else is an input error, never
+  a guess: a misread constant would relate to the wrong numbers."""
+  start = text.find("dense<") + len("dense<")
+  body = text[start:text.find(">", start)]
+  storage = None
+  if element in _ML_DTYPES:
+    import ml_dtypes
+    storage = np.dtype(getattr(ml_dtypes, _ML_DTYPES[element]))
+  count = int(np.prod(shape))
+
+  def unreadable():
+    return InputError(None, f"cannot read the {element} constant {body[:60]}")
+  if body.startswith('"0x'):
+    if storage is None:
+      raise unreadable()
+    raw = bytes.fromhex(body.strip('"')[2:])
+    if len(raw) not in (storage.itemsize, storage.itemsize * count):
+      raise unreadable()
+    values = np.frombuffer(raw, storage).astype(np.float64)
+  else:
+    values = []
+    for tok in _TOKEN.findall(body):
+      if tok.startswith("0x"):
+        if storage is None:
+          raise unreadable()
+        bits = np.array([int(tok, 16)], f"u{storage.itemsize}")
+        values.append(float(bits.view(storage)[0]))
+      else:
+        values.append(1.0 if tok == "true" else 0.0 if tok == "false" else float(tok))
+    values = np.array(values)
+    if storage is not None:  # decimals are printed to 6 digits: round to the type
+      values = values.astype(storage).astype(np.float64)
+  if values.size == 1:
+    return np.full(shape, values[0])
+  if values.size != count:
+    raise unreadable()
+  return values.reshape(shape)
 
 
 def _complex_value(text: str, shape: tuple[int, ...]) -> np.ndarray:
