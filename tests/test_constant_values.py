@@ -244,3 +244,13 @@ def test_an_int4_quotient_is_not_trusted():
   def seq(x):
     return jnp.sum(jnp.where(lax.div(jnp.asarray(a), jnp.asarray(b)) == jnp.asarray(c), x, 0.0))
   _table_case(seq, lambda x: jnp.where(_rows(float_quotients), x, 0.0))
+
+
+@pytest.mark.parametrize("index", [np.uint32(2 ** 32 - 1), np.uint16(2 ** 15 + 1)])
+def test_a_slice_at_an_unsigned_start_with_its_top_bit_set_is_not_trusted(index):
+  # XLA folds such a start as negative (offset 0) and runs it clamped to the end.
+  table = np.arange(2 * N, dtype=np.float32)
+
+  def seq(x):
+    return jnp.sum(x * lax.dynamic_slice(jnp.asarray(table), (jnp.asarray(index),), (N,)))
+  _table_case(seq, lambda x: x * _rows(table[N:]))

@@ -99,3 +99,22 @@ def test_large_constant_in_the_partitioned_text_dump():
   module = load_hlo_text("<dump>", text)
   assert any(np.array_equal(np.asarray(op.attrs["value"]), _TABLE) for op in module.main.walk()
              if op.name == "constant" and op.results[0].type.shape == (8, 8))
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_constants_differing_in_a_nan_payload_are_different(same):
+  # Under GSPMD the per-device module is read from XLA's HLO: its NaN printed
+  # with the payload, nan(0x400001), read back bit for bit.
+  import graphguard_hlo as gg
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  canonical = np.arange(8, dtype=np.float32)
+  canonical[3] = np.float32("nan")
+  other = canonical.copy()
+  if not same:
+    other.view(np.uint32)[3] = 0x7FC00001
+
+  def bits_of(table):
+    return lambda a: jax.lax.bitcast_convert_type(a + jnp.asarray(table), jnp.int32)
+  result = gg.verify(bits_of(canonical), bits_of(other), jnp.zeros(8), mesh=mesh,
+                     in_specs=(P("x"),), out_specs=P("x"))
+  assert result.refines == same

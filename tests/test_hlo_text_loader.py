@@ -769,3 +769,22 @@ if hypothesis is not None:
 else:
   def test_fuzzed_dumps_give_input_errors_only():
     pytest.skip("hypothesis is not installed")
+
+
+@pytest.mark.parametrize("dtype,literal,bits", [
+    ("f32", "nan(0x400001)", 0x7FC00001), ("f32", "-nan(0x1)", 0xFF800001),
+    ("f32", "nan", 0x7FC00000), ("f16", "nan(0x201)", 0x7E01), ("f64", "nan(0x8000000000001)",
+                                                                 0x7FF8000000000001)])
+def test_nan_payloads_are_read_bit_for_bit(dtype, literal, bits):
+  # A NaN read as the canonical one would make two different constants one.
+  text = (f"HloModule m\n\nENTRY e {{\n  c = {dtype}[2] constant({{0, {literal}}})\n"
+          f"  ROOT r = {dtype}[2] negate(c)\n}}\n")
+  (value,) = [np.asarray(op.attrs["value"]) for op in load_hlo_text("x.txt", text).main.ops
+              if op.name == "constant"]
+  width = value.dtype.itemsize
+  assert value.view(f"u{width}")[1] == bits
+
+
+def test_nan_payload_of_an_f8_constant_is_an_error():
+  err = _error("HloModule m\n\nENTRY e {\n  ROOT c = f8e5m2[2] constant({0, nan(0x1)})\n}\n")
+  assert "NaN payloads of f8e5m2 constants are not read" in err.message

@@ -704,6 +704,9 @@ def _scalar(tok: _Tok, hlo: str, p: _Parser) -> Any:
     return int(text)
   low = text.lower()
   if tok.kind == "num" or low in ("inf", "nan") or low.startswith("nan("):
+    payload = re.fullmatch(r"([-+]?)nan\(0x([0-9a-f]+)\)", low)
+    if payload:
+      return _nan_with_payload(hlo, payload.group(1) == "-", int(payload.group(2), 16), tok, p)
     if "nan" in low:
       return -math.nan if low.startswith("-") else math.nan
     try:
@@ -711,6 +714,21 @@ def _scalar(tok: _Tok, hlo: str, p: _Parser) -> Any:
     except ValueError:
       pass
   raise p.error(f"expected a number in an {hlo} constant, found {tok.describe()}", tok)
+
+
+def _nan_with_payload(hlo: str, negative: bool, payload: int, tok: _Tok, p: _Parser):
+  """``nan(0x...)``: the NaN whose significand is ``payload``, bit for bit (a
+  canonical NaN in its place would make two different constants one)."""
+  store = _storage_dtype(hlo)
+  if hlo not in ("f16", "bf16", "f32", "f64"):
+    raise p.error(f"NaN payloads of {hlo} constants are not read", tok)
+  width = np.dtype(store).itemsize * 8
+  mantissa = {"f16": 10, "bf16": 7, "f32": 23, "f64": 52}[hlo]
+  if not 0 < payload < (1 << mantissa):
+    raise p.error(f"{tok.text} is not a NaN of {hlo}", tok)
+  exponent = ((1 << (width - 1 - mantissa)) - 1) << mantissa
+  bits = (int(negative) << (width - 1)) | exponent | payload
+  return np.array([bits], f"u{width // 8}").view(store)[0]
 
 
 def _parse_literal(p: _Parser, shape: _Shape, name: str) -> Any:
