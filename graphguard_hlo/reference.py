@@ -41,6 +41,13 @@ def _round_to_bf16(x: np.ndarray) -> np.ndarray:
   return np.where(np.isfinite(x), rounded, np.asarray(x, dtype=np.float32))
 
 
+def numpy_dtype(dtype: str) -> Optional[type]:
+  """The numpy type holding IR type ``dtype`` as XLA does; None for the types
+  numpy has none of (bfloat16, f8, 4-bit ints), which values are held in
+  wider types here and not rounded as XLA rounds them."""
+  return _NUMPY_DTYPES.get(dtype)
+
+
 def cast(x: np.ndarray, dtype: str) -> np.ndarray:
   """``convert`` to an IR dtype: floats round, ints truncate toward zero, i1 is ``!= 0``."""
   x = np.asarray(x)

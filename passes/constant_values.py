@@ -40,12 +40,13 @@ from graphguard_hlo import ir
 from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords
 from graphguard_hlo.passes.layout import (Layout, reorder_chunks, tile_index,
                                           tilings_with_local_shape)
-from graphguard_hlo.reference import _NUMPY_DTYPES, is_integer_type, type_bounds
+from graphguard_hlo.reference import is_integer_type, numpy_dtype, type_bounds
 
 MAX_ELEMENTS = 1 << 16
 
 # Ops whose result the interpreter computes exactly as XLA does, whatever the
-# (trusted) operands: they only move or pick values.
+# (trusted) operands: they only move or pick values (dynamic slices but for
+# their starts, ``_index_folds_as_it_runs``).
 _MOVES = frozenset({"constant", "broadcast_in_dim", "reshape", "transpose", "slice",
                     "concatenate", "reverse", "copy", "pad", "select", "dynamic_slice",
                     "dynamic_update_slice", "partition_id"})
@@ -84,7 +85,7 @@ def _in_own_type(x: np.ndarray, dtype: str) -> Optional[np.ndarray]:
   (a splat read as float64 for an f32 constant); None for types numpy has
   none of (bfloat16, f8, 4-bit ints: the interpreter holds them in wider
   types and does not round as XLA does) or values the type cannot hold."""
-  target = _NUMPY_DTYPES.get(dtype)
+  target = numpy_dtype(dtype)
   if target is None:
     return None
   x = np.asarray(x)
@@ -131,7 +132,7 @@ def _exact(op: ir.Op, args: list[np.ndarray], out: np.ndarray) -> bool:
       return _integral(x, dtype)  # no rounding, wrapping or saturating
     return (source, dtype) in {("f16", "f32"), ("bf16", "f32"), ("f16", "f64"), ("bf16", "f64"),
                                ("f32", "f64")}  # widening
-  if not is_integer_type(dtype) or dtype in ("pred", "i1") and name not in ("and", "or", "xor"):
+  if not is_integer_type(dtype) or (dtype in ("pred", "i1") and name not in ("and", "or", "xor")):
     return False  # float arithmetic, transcendentals, reductions: not bit for bit
   if name in ("divide", "remainder"):
     # XLA truncates toward zero, Python floors: alike on nonnegative operands.
