@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-from graphguard_hlo import ir
 from graphguard_hlo.passes.inference import Result
 
 
@@ -33,13 +32,6 @@ def _abstract_args(args: Sequence[Any], mesh, in_specs) -> list:
   return out
 
 
-def _input_layouts(relation: Optional[str], seq: ir.Module, program) -> Optional[list]:
-  if relation is None:
-    return None
-  from graphguard_hlo.relation_file import input_layouts
-  return input_layouts("<relation>", relation, seq, program)
-
-
 def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_specs=None,
            out_specs=None, relation: Optional[str] = None,
            max_relations: Optional[int] = None) -> Result:
@@ -55,6 +47,7 @@ def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_spe
   from graphguard_hlo.lowering import lower_distributed, lower_sequential
   from graphguard_hlo.passes.inference import verify_programs
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
+  from graphguard_hlo.relation_file import relation_layouts
   dist_args = _abstract_args(example_args, mesh, in_specs)
   out_shardings = None
   if out_specs is not None:
@@ -67,7 +60,7 @@ def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_spe
                            name=_name(dist_fn))
   program = prepare_dist(dist)
   prepare_seq(seq, program)
-  return verify_programs(seq, program, _input_layouts(relation, seq, program),
+  return verify_programs(seq, program, relation_layouts(relation, seq, program),
                          **_cap(max_relations))
 
 
@@ -78,9 +71,10 @@ def verify_files(seq_path: str, dist_path: str, relation: Optional[str] = None,
   from graphguard_hlo.loaders import load_module
   from graphguard_hlo.passes.inference import verify_programs
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
+  from graphguard_hlo.relation_file import relation_layouts
   program = prepare_dist(load_module(dist_path), num_partitions)
   seq = prepare_seq(load_module(seq_path), program)
-  return verify_programs(seq, program, _input_layouts(relation, seq, program),
+  return verify_programs(seq, program, relation_layouts(relation, seq, program),
                          **_cap(max_relations))
 
 

@@ -71,6 +71,6 @@ def verify_modules(seq: ir.Module, dist: ir.Module, input_layouts: Optional[list
   program = prepare_dist(dist, num_partitions)
   prepare_seq(seq, program)
   if relation is not None:
-    from graphguard_hlo.relation_file import input_layouts as with_relation
-    input_layouts = with_relation("<relation>", relation, seq, program)
+    from graphguard_hlo.relation_file import relation_layouts
+    input_layouts = relation_layouts(relation, seq, program)
   return verify_programs(seq, program, input_layouts)

@@ -217,8 +217,8 @@ def verify_and_check(seq: ir.Module, dist: ir.Module, seed: int = 0,
   program = prepare_dist(dist)
   prepare_seq(seq, program)
   if relation is not None:
-    from graphguard_hlo.relation_file import input_layouts as with_relation
-    input_layouts = with_relation("<relation>", relation, seq, program)
+    from graphguard_hlo.relation_file import relation_layouts
+    input_layouts = relation_layouts(relation, seq, program)
   inference = RelationInference(seq, program, input_layouts)
   result = inference.run()
   return result, check_relations(inference, seed, nonnegative)

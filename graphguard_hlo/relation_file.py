@@ -128,3 +128,11 @@ def input_layouts(path: str, text: str, seq, program) -> list[Optional[Layout]]:
   given = parse_relation_file(path, text, [tuple(p.type.shape) for p in seq.main.params],
                               list(program.mesh.axis_names))
   return merge_layouts(program.param_layouts, given)
+
+
+def relation_layouts(relation: Optional[str], seq, program) -> Optional[list[Optional[Layout]]]:
+  """``input_layouts`` of relation-file text given in code (no file), or None
+  without one: the Python API's ``relation=``, and the zoo's."""
+  if relation is None:
+    return None
+  return input_layouts("<relation>", relation, seq, program)
