@@ -644,10 +644,13 @@ _NATIVE = {"pred": np.bool_, "s8": np.int8, "s16": np.int16, "s32": np.int32, "s
            "u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64,
            "f16": np.float16, "f32": np.float32, "f64": np.float64,
            "c64": np.complex64, "c128": np.complex128}
-_ML_DTYPES = {"bf16": "bfloat16", "f8e5m2": "float8_e5m2", "f8e4m3fn": "float8_e4m3fn",
-              "f8e4m3b11fnuz": "float8_e4m3b11fnuz", "f8e5m2fnuz": "float8_e5m2fnuz",
-              "f8e4m3fnuz": "float8_e4m3fnuz", "f8e4m3": "float8_e4m3", "f8e3m4": "float8_e3m4",
-              "f4e2m1fn": "float4_e2m1fn", "f8e8m0fnu": "float8_e8m0fnu"}
+# ml_dtypes' names of the element types numpy has no buffer format for, by HLO
+# name (MLIR's names are the same in capitals: f8E4M3FN).
+ML_DTYPE_NAMES = {"bf16": "bfloat16", "f8e5m2": "float8_e5m2", "f8e4m3fn": "float8_e4m3fn",
+                  "f8e4m3b11fnuz": "float8_e4m3b11fnuz", "f8e5m2fnuz": "float8_e5m2fnuz",
+                  "f8e4m3fnuz": "float8_e4m3fnuz", "f8e4m3": "float8_e4m3",
+                  "f8e3m4": "float8_e3m4", "f4e2m1fn": "float4_e2m1fn",
+                  "f8e8m0fnu": "float8_e8m0fnu"}
 
 
 class ElidedConstant:
@@ -684,7 +687,7 @@ def _storage_dtype(hlo: str):
     return _INT_DTYPES[hlo]
   try:
     import ml_dtypes
-    return getattr(ml_dtypes, _ML_DTYPES[hlo])
+    return getattr(ml_dtypes, ML_DTYPE_NAMES[hlo])
   except (ImportError, KeyError, AttributeError):
     return np.float64
 

@@ -265,11 +265,6 @@ def _dense_value(attr) -> np.ndarray:
   return ir.ConstantArray(arr)
 
 
-# MLIR's names of the element types numpy has no buffer format for, as ml_dtypes'.
-_ML_DTYPES = {"bf16": "bfloat16", "f8E5M2": "float8_e5m2", "f8E4M3FN": "float8_e4m3fn",
-              "f8E4M3B11FNUZ": "float8_e4m3b11fnuz", "f8E5M2FNUZ": "float8_e5m2fnuz",
-              "f8E4M3FNUZ": "float8_e4m3fnuz", "f8E4M3": "float8_e4m3", "f8E3M4": "float8_e3m4",
-              "f4E2M1FN": "float4_e2m1fn", "f8E8M0FNU": "float8_e8m0fnu"}
 _TOKEN = re.compile(r"0x[0-9A-Fa-f]+|[-+]?(?:inf|nan)|[-+]?\d+\.?\d*(?:[eE][-+]?\d+)?|true|false")
 
 
@@ -281,10 +276,11 @@ def _dense_from_text(text: str, shape: tuple[int, ...], element: str) -> np.ndar
   a guess: a misread constant would relate to the wrong numbers."""
   start = text.find("dense<") + len("dense<")
   body = text[start:text.find(">", start)]
+  from graphguard_hlo.loaders.hlo_text import ML_DTYPE_NAMES  # (it imports this module)
   storage = None
-  if element in _ML_DTYPES:
+  if element.lower() in ML_DTYPE_NAMES:
     import ml_dtypes
-    storage = np.dtype(getattr(ml_dtypes, _ML_DTYPES[element]))
+    storage = np.dtype(getattr(ml_dtypes, ML_DTYPE_NAMES[element.lower()]))
   count = int(np.prod(shape))
 
   def unreadable():
