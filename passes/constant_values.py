@@ -38,7 +38,7 @@ import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.interpret import Interpreter, Unsupported, mesh_coords
-from graphguard_hlo.passes.layout import (Layout, reorder_chunks, tile_index,
+from graphguard_hlo.passes.layout import (Layout, reorder_chunks, tile_slices,
                                           tilings_with_local_shape)
 from graphguard_hlo.reference import is_integer_type, numpy_dtype, type_bounds
 
@@ -76,7 +76,7 @@ def _integral(x: np.ndarray, dtype: str) -> bool:
     return True
   if x.dtype.kind == "f" and not np.all(np.isfinite(x) & (np.trunc(x) == x)):
     return False
-  values = [int(v) for v in x.ravel().tolist()]
+  values = _python_ints(x, x.shape)
   return bounds[0] <= min(values) and max(values) <= bounds[1]
 
 
@@ -136,18 +136,23 @@ def _exact(op: ir.Op, args: list[np.ndarray], out: np.ndarray) -> bool:
     return False  # float arithmetic, transcendentals, reductions: not bit for bit
   if name in ("divide", "remainder"):
     # XLA truncates toward zero, Python floors: alike on nonnegative operands.
-    a, b = ([int(v) for v in np.broadcast_to(x, out.shape).ravel().tolist()] for x in args)
+    a, b = (_python_ints(x, out.shape) for x in args)
     if any(x < 0 for x in a) or any(y <= 0 for y in b):
       return False
     exact = [x // y if name == "divide" else x % y for x, y in zip(a, b)]
-    return exact == [int(v) for v in out.ravel().tolist()]
+    return exact == _python_ints(out, out.shape)
   if name in _INTEGER_ARITHMETIC:
-    operands = [[int(v) for v in np.broadcast_to(a, out.shape).ravel().tolist()] for a in args]
+    operands = [_python_ints(a, out.shape) for a in args]
     exact = [_INTEGER_ARITHMETIC[name](*vs) for vs in zip(*operands)]
-    got = [int(v) for v in out.ravel().tolist()]
+    got = _python_ints(out, out.shape)
     bounds = type_bounds(dtype)
     return exact == got and all(bounds[0] <= v <= bounds[1] for v in exact)
   return False
+
+
+def _python_ints(x: np.ndarray, shape: tuple[int, ...]) -> list[int]:
+  """``x`` broadcast to ``shape``, flat, as Python's (unbounded) integers."""
+  return [int(v) for v in np.broadcast_to(x, shape).ravel().tolist()]
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -230,21 +235,16 @@ class ConstantValues:
     """Rank ``coord``'s tile of ``whole`` under ``layout`` (plain, maybe reordered)."""
     for k, chunks in layout.order:
       whole = reorder_chunks(whole, k, chunks)
-    r = dict(zip(self.mesh.axis_names, coord))
-    index = []
-    for size, axes in zip(whole.shape, layout.dims):
-      n = int(np.prod([self.mesh.axis_size(a) for a in axes]))
-      i = tile_index(axes, r, self.mesh)
-      index.append(slice(i * (size // n), (i + 1) * (size // n)))
-    return whole[tuple(index)]
+    return whole[tile_slices(layout, self.mesh, whole.shape,
+                             dict(zip(self.mesh.axis_names, coord)))]
 
   def is_known(self, s: ir.Value) -> bool:
     """Is ``s`` input-free (and small enough to compute)?"""
     return self._seq_value(s) is not None
 
   def _layouts(self, whole: tuple[int, ...], tile: tuple[int, ...]) -> Iterator[Layout]:
+    per_dim = [[None] + [c for c in sorted(self.orders) if n % len(c) == 0] for n in whole]
     for plain in tilings_with_local_shape(whole, tile, self.mesh):
-      per_dim = [[None] + [c for c in sorted(self.orders) if n % len(c) == 0] for n in whole]
       for choice in itertools.product(*per_dim):
         order = tuple((k, c) for k, c in enumerate(choice) if c is not None)
         yield plain.with_(order=order) if order else plain

@@ -280,6 +280,17 @@ def tile_index(axes: Axes, r: dict[str, int], mesh: Mesh) -> int:
   return idx
 
 
+def tile_slices(layout: Layout, mesh: Mesh, shape: tuple[int, ...], r: dict[str, int]
+                ) -> tuple[slice, ...]:
+  """Where rank ``r``'s tile lies in a (reordered) tensor of ``shape``."""
+  index = []
+  for size, axes in zip(shape, layout.dims):
+    n = math.prod(mesh.axis_size(a) for a in axes)
+    i = tile_index(axes, r, mesh)
+    index.append(slice(i * (size // n), (i + 1) * (size // n)))
+  return tuple(index)
+
+
 def known_tiles(layout: Layout, r: dict[str, int], mesh: Mesh) -> Optional[tuple[int, set[int], int]]:
   """For a partly known layout: (dim, the tile numbers rank r knows, tiles in the dim)."""
   if not layout.filled:
@@ -365,12 +376,7 @@ def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generato
   pieces: dict[tuple, list[np.ndarray]] = {}
   for coord in np.ndindex(*[s for _, s in mesh.axes]):
     r = dict(zip(names, coord))
-    index = []
-    for dim, axes in enumerate(layout.dims):
-      n = math.prod(mesh.axis_size(a) for a in axes)
-      size = value.shape[dim] // n
-      idx = tile_index(axes, r, mesh)
-      index.append(slice(idx * size, (idx + 1) * size))
+    index = tile_slices(layout, mesh, value.shape, r)
     tile = np.asarray(value, dtype=np.float64)[tuple(index)] / layout.scale
     if not layout.holds_at(r):
       # unrelated: anything (zeros if the layout says so)
