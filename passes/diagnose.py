@@ -18,6 +18,7 @@ from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.collectives import COLLECTIVES
 from graphguard_hlo.passes.layout import Layout, scales_equal
 from graphguard_hlo.passes.pieces import Pieces, partner_dim
+from graphguard_hlo.passes.online_softmax import infinite_max_words
 from graphguard_hlo.passes.sharding import group_axes
 from graphguard_hlo.passes.terms import freeze
 from graphguard_hlo.passes.transfer import ring_shift
@@ -647,11 +648,16 @@ def _fold_words(inf, op: ir.Op) -> Optional[str]:
     n = inf.mesh.axis_size(axis)
     missing = sorted(set(range(n)) - found)
     if not missing:
-      return (f"the per-device program holds every block {axis}+{{0..{n - 1}}} of %{v.id} "
-              f"that a ring passes round {axis!r}, but no sum (or max) of this "
-              f"{op.name}'s per-block results over exactly those blocks: an online "
-              f"softmax must rescale what it has summed by exp(m - m_new) whenever the "
-              f"running max grows (a rescale forgotten?)")
+      words = (f"the per-device program holds every block {axis}+{{0..{n - 1}}} of %{v.id} "
+               f"that a ring passes round {axis!r}, but no sum (or max) of this "
+               f"{op.name}'s per-block results over exactly those blocks: ")
+      infinite = infinite_max_words(inf.dist.graph)
+      if infinite is not None:
+        return (f"{words}its online softmax is not telescoped, since its running max may "
+                f"be infinite: {infinite}; where a row's blocks so far are all masked the "
+                f"device computes exp(-inf + inf) = NaN (mask with a finite value, -1e9)")
+      return (f"{words}an online softmax must rescale what it has summed by exp(m - m_new) "
+              f"whenever the running max grows (a rescale forgotten?)")
     blocks = lambda js: "{" + ",".join(map(str, sorted(js))) + "}"
     permutes = [(d, shift) for d in inf.dist.graph.walk() if d.name == "collective_permute"
                 for shift in [ring_shift(d, inf.mesh)] if shift is not None]

@@ -30,7 +30,7 @@ max ``m'`` finite: where a row of every block so far is masked with -inf,
 ``m' = -inf`` and the program computes ``exp(-inf + inf) = NaN`` (flash
 attention's classic bug), which no rewrite may hide.  So a step whose scores
 are masked, biased or padded with an infinite constant is not rewritten
-(``_max_may_be_infinite``); a finite mask value (-1e9) keeps ``m'`` finite.
+(``why_max_may_be_infinite``); a finite mask value (-1e9) keeps ``m'`` finite.
 Tested numerically in ``tests/test_online_softmax.py``.
 """
 
@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import math
 from typing import Optional
+
+import numpy as np
 
 from graphguard_hlo import ir
 
@@ -179,30 +181,80 @@ def _rescalable(scale, x: ir.Value, depth: int = 0) -> bool:
 # Ops through which an infinite mask value reaches a row max (and where it
 # is met: a select's or pad's fill, an added bias).
 _TO_THE_MAX = ("maximum", "reduce", "broadcast_in_dim", "reshape", "convert", "transpose",
-               "copy", "select", "add", "subtract", "multiply", "divide", "negate", "pad")
+               "copy", "select", "add", "subtract", "multiply", "divide", "negate", "pad",
+               "slice", "dynamic_slice", "concatenate")
+# Where a mask meets the scores: operands that fill or bias them.
+_MET = {"select": (1, 2), "pad": (1,), "add": (0, 1), "subtract": (0, 1)}
+# Ops with a pole, infinite at a finite argument (log(0), x / 0).
+_POLES = ("log", "log_plus_one", "rsqrt", "power", "remainder", "atan2")
 
 
-def _max_may_be_infinite(m_new: ir.Value, budget: int = 256) -> bool:
-  """Could a row of ``m_new`` be -inf (or +inf)?  Yes if an infinite constant
-  masks, biases or pads the scores it is the max of."""
+def _may_overflow(value: float, dtype: str) -> bool:
+  """Could ``value`` added to another such become infinite (two masks of
+  ``finfo.min`` added: -inf)?"""
+  from graphguard_hlo.reference import numpy_dtype
+  target = numpy_dtype(dtype)
+  top = float(np.finfo(target).max) if target is not None and np.dtype(target).kind == "f" \
+      else 3.0e38 if dtype == "bf16" else math.inf
+  return abs(value) >= top / 2
+
+
+def why_max_may_be_infinite(m_new: ir.Value, budget: int = 256) -> Optional[str]:
+  """Why a row of ``m_new`` could be -inf (or +inf), in words; None if it
+  cannot.  The walk follows the ops a mask reaches the max through, and
+  answers where the scores are filled or biased with an infinite constant,
+  with a value from an op with a pole (``log`` of a 0/1 mask), or with an
+  input (an attention bias given as an argument may hold -inf); or where a
+  constant of half the type's range meets a sum (two ``finfo.min`` masks
+  added overflow to -inf).  Scores the walk leaves at other ops (``q @ k``)
+  are finite for finite inputs."""
   from graphguard_hlo.passes.terms import splat_value
-  seen, work = set(), [m_new]
+  seen, work = set(), [(m_new, False, False)]
   while work and budget > 0:
-    v = work.pop()
+    v, in_sum, in_mask = work.pop()
     op = v.producer
     if op is None or id(op) in seen or op.name not in _TO_THE_MAX:
       continue
     seen.add(id(op))
     budget -= 1
-    met = {"select": (1, 2), "pad": (1,), "add": (0, 1), "subtract": (0, 1)}.get(op.name, ())
+    in_sum = in_sum or op.name in ("add", "subtract")
+    met = _MET.get(op.name, ())
     for k, x in enumerate(op.operands):
       value = splat_value(x)
       if value is not None:
         if k in met and math.isinf(value):
-          return True
+          return f"the {op.name} at {op.location} fills or biases the scores with {value}"
+        if k in met and in_sum and _may_overflow(value, x.type.dtype):
+          return (f"the {op.name} at {op.location} meets the scores with {value:.4g}, half "
+                  f"the type's range, under a sum: two such masks added are -inf")
+        if op.name == "divide" and k == 1 and value == 0.0:
+          return f"the divide at {op.location} divides by zero"
         continue
-      work.append(x)
-  return budget <= 0  # not seen to the end: assume it may
+      if op.name == "divide" and k == 1:
+        return f"the divide at {op.location} divides by a value that may be zero"
+      masks = in_mask or k in met  # x fills or biases the scores (or is cut from what does)
+      if masks and x.producer is None:
+        return (f"the {op.name} at {op.location} masks or biases the scores with an input, "
+                f"which may hold -inf")
+      if x.producer is not None and x.producer.name in _POLES:
+        return (f"the {x.producer.name} at {x.producer.location} feeds the scores and is "
+                f"infinite at a finite argument (log(0) = -inf)")
+      work.append((x, in_sum, masks))
+  return None if budget > 0 else "the scores come from more ops than the walk follows"
+
+
+def infinite_max_words(graph: ir.Graph) -> Optional[str]:
+  """For a report: why some online-softmax rescale ``exp(m - m')`` of
+  ``graph`` was not telescoped (the first such), or None."""
+  for op in graph.walk():
+    if op.name != "multiply":
+      continue
+    for v in op.operands:
+      scale = _row_scale(v)
+      why = None if scale is None else why_max_may_be_infinite(scale[1])
+      if why is not None:
+        return why
+  return None
 
 
 def online_rescale(module, graph, op: ir.Op) -> Optional[ir.Value]:
@@ -213,7 +265,7 @@ def online_rescale(module, graph, op: ir.Op) -> Optional[ir.Value]:
     return None
   for scale_v, x in (op.operands, op.operands[::-1]):
     scale = _row_scale(scale_v)
-    if scale is None or _max_may_be_infinite(scale[1]):
+    if scale is None or why_max_may_be_infinite(scale[1]) is not None:
       continue
     if splat_value(x) == 0.0 and x.type == op.results[0].type:
       return x

@@ -69,3 +69,68 @@ def test_a_ring_masked_with_minus_infinity_is_proved_only_if_finite(mask_value, 
   assert np.allclose(np.asarray(dist(q, k, v)), np.asarray(seq(q, k, v)), atol=1e-5) == proved
   z = jax.ShapeDtypeStruct((B, T, H, HD), np.float32, sharding=NamedSharding(MESH, P(None, "cp")))
   assert verify(seq, dist, z, z, z).refines == proved
+
+
+# Masks an audit found the first guard blind to: it looked for infinite
+# constants only.  Rows 0..7 (rank 0's) have their first ring block (their
+# own) wholly masked, so the device computes NaN there with an infinite mask.
+S, D, N = 8, 4, 4
+MIN = float(np.finfo(np.float32).min)
+_MASKS = {
+    # keep: a 0/1 float mask; bias: an additive bias (input) -- see _biased_case
+    "log_of_mask": lambda s, keep, bias: s + jnp.log(keep),          # log(0) = -inf
+    "bias_input": lambda s, keep, bias: s + bias,                    # -inf given as input
+    "two_min_masks": lambda s, keep, bias: (jnp.where(keep > 0, s, MIN)   # overflow
+                                            + jnp.where(keep > 0, 0.0, MIN)),
+    "one_min_mask": lambda s, keep, bias: jnp.where(keep > 0, s, MIN),    # finite
+    "finite_mask": lambda s, keep, bias: jnp.where(keep > 0, s, -1e9),
+}
+
+
+def _biased_case(mask):
+  def seq(q, k, v, keep, bias):
+    s = _MASKS[mask](q @ k.T, keep, bias)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    return (p @ v) / jnp.sum(p, axis=-1, keepdims=True)
+
+  def local(q, k, v, keep, bias):
+    r = lax.axis_index("cp")
+    m = jnp.full((S,), -jnp.inf, jnp.float32)
+    l, o = jnp.zeros((S,), jnp.float32), jnp.zeros((S, D), jnp.float32)
+    perm = [(i, (i + 1) % N) for i in range(N)]
+    for t in range(N):
+      block = lambda x: lax.dynamic_slice_in_dim(x, ((r - t) % N) * S, S, axis=1)
+      s = _MASKS[mask](q @ k.T, block(keep), block(bias))
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      rescale = jnp.exp(m - m_new)
+      p = jnp.exp(s - m_new[:, None])
+      l = rescale * l + jnp.sum(p, axis=-1)
+      o = rescale[:, None] * o + p @ v
+      m = m_new
+      if t < N - 1:
+        k, v = lax.ppermute(k, "cp", perm), lax.ppermute(v, "cp", perm)
+    return o / l[:, None]
+
+  dist = jax.jit(shard_map(local, mesh=MESH, in_specs=(P("cp"),) * 5, out_specs=P("cp"),
+                           check_vma=False))
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((N * S, D)).astype(np.float32) for _ in range(3))
+  keep = np.ones((N * S, N * S), np.float32)
+  keep[:S, :S] = 0.0
+  bias = np.where(keep > 0, 0.0, -np.inf if mask == "bias_input" else -1e9).astype(np.float32)
+  return seq, dist, (q, k, v, keep, bias)
+
+
+@pytest.mark.parametrize("mask, proved", [
+    ("log_of_mask", False), ("bias_input", False), ("two_min_masks", False),
+    ("one_min_mask", True), ("finite_mask", True)])
+def test_a_ring_mask_infinite_at_run_time_is_not_proved(mask, proved):
+  seq, dist, args = _biased_case(mask)
+  agree = np.allclose(np.asarray(dist(*args)), np.asarray(seq(*args)), atol=1e-5)
+  assert agree == proved  # each refused mask really makes NaN rows
+  result = verify(seq, dist, *args, mesh=MESH, in_specs=(P("cp"),) * 5)
+  assert result.refines == proved
+  if not proved:
+    assert "running max may be infinite" in result.failure.diagnosis
+    assert {"log_of_mask": "log", "bias_input": "with an input",
+            "two_min_masks": "two such masks added"}[mask] in result.failure.diagnosis
