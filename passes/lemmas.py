@@ -560,7 +560,11 @@ def _reduce_window(op: SeqOp, ls: Sequence[Layout]):
   """reduce_window(concat(a_r,k)) = concat(reduce_window(a_r),k) when the window
   along dim k is one element, unstrided and unpadded: a cumulative sum along
   an untiled dim (jnp.cumsum) is every rank's own.  Each rank combines its
-  own init per window, so the operand is not a partial sum and not scaled."""
+  own init per window, so the operand is not a partial sum and not scaled.
+  One operand only: a variadic window (an argmax's values and indices) is
+  left alone."""
+  if len(ls) != 2:
+    return
   a, init = ls
   if a.partial or not a.is_clean() or not init.is_full_replica() or not init.is_clean():
     return

@@ -1206,6 +1206,32 @@ def test_reduce_window_of_a_partial_max_is_refused():
   assert not [s for s in steps if s.lemma == "reduce-window-untiled-dims"]
 
 
+def test_a_variadic_reduce_window_is_left_alone():
+  """A running argmax (values and indices in one window) has two operands and
+  two inits; the lemma is for one, and read the four as two (an audit's
+  crash: too many values to unpack)."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax, shard_map
+  from jax.sharding import PartitionSpec as P
+  from graphguard_hlo.api import verify
+  from tools.zoo.cases import mesh_of
+
+  def argmax_so_far(a):
+    idx = lax.broadcasted_iota(jnp.float32, a.shape, 1)
+    def better(p, q):
+      take = p[0] >= q[0]
+      return jnp.where(take, p[0], q[0]), jnp.where(take, p[1], q[1])
+    v, i = lax.reduce_window((a, idx), (np.float32(-np.inf), np.float32(0)), better,
+                             (1, 3), (1, 1), ((0, 0), (2, 0)))
+    return v + i
+
+  mesh = mesh_of((4,), ("x",))
+  dist = jax.jit(shard_map(argmax_so_far, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  x = np.zeros((16, 6), np.float32)
+  assert not verify(argmax_so_far, dist, x, mesh=mesh, in_specs=(P("x"),)).refines
+
+
 def test_reference_reduce_window_agrees_with_jax():
   """The numpy reduce_window these tests and the interpreter run is XLA's."""
   import jax
