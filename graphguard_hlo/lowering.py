@@ -31,7 +31,7 @@ def _abstract(args: Sequence[Any], keep_sharding: bool):
 
 def sequential_text(fn: Callable, *args) -> str:
   import jax
-  return jax.jit(fn).lower(*_abstract(args, False)).as_text(debug_info=True)
+  return jax.jit(fn, keep_unused=True).lower(*_abstract(args, False)).as_text(debug_info=True)
 
 
 def lower_sequential(fn: Callable, *args, name: str = "<sequential>") -> ir.Module:
@@ -42,7 +42,7 @@ def lower_distributed(fn: Callable, *args, in_shardings=None, out_shardings=None
                       name: str = "<distributed>") -> ir.Module:
   """The per-device program of ``fn`` on sharded abstract ``args``."""
   import jax
-  kw = {}
+  kw = {"keep_unused": True}
   if in_shardings is not None:
     kw["in_shardings"] = in_shardings
   if out_shardings is not None:

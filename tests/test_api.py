@@ -47,6 +47,22 @@ def test_pmean_reported_with_location():
   assert "test_api.py" in str(result.failure.location)
 
 
+@pytest.mark.parametrize("gspmd", [False, True], ids=["shard_map", "gspmd"])
+def test_an_input_one_program_never_reads_is_a_bug_not_an_input_error(gspmd):
+  """jax.jit drops unread arguments unless told to keep them: a distributed
+  program that forgets to add a bias had one parameter fewer and was refused
+  as a mismatched pair.  Kept, the add that needs the bias is reported."""
+  forgot = (lambda x, w1, w2, b: mlp(x, w1, w2)) if gspmd else shard_map(
+      lambda x, w1, w2, b: jax.lax.psum(mlp(x, w1, w2), "tp"), mesh=MESH,
+      in_specs=SPECS + (P(),), out_specs=P(), check_vma=False)
+  args = ARGS + [jax.ShapeDtypeStruct((8, 16), jnp.float32)]
+  kw = dict(mesh=MESH, in_specs=SPECS + (P(),), out_specs=P() if gspmd else None)
+  result = gg.verify(lambda x, w1, w2, b: mlp(x, w1, w2) + b, forgot, *args, **kw)
+  assert not result.refines
+  assert result.failure.op_name == "add"
+  assert gg.verify(lambda x, w1, w2, b: mlp(x, w1, w2), forgot, *args, **kw).refines
+
+
 def test_a_jitted_shard_map_keeps_its_mesh_axes():
   """``jax.jit(shard_map(f))`` lowers to a call of the manual computation: read
   through the call, the report names the user's axis, not XLA's a0."""
