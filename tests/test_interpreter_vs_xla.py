@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from graphguard_hlo.lowering import lower_sequential
 from graphguard_hlo.passes.constant_values import _exact_values, _same_bits, _small_ops
@@ -240,3 +241,99 @@ def test_the_fuzzer_reaches_trusted_values_past_the_leaves():
 ])
 def test_known_differences_stay_untrusted_or_agree(steps, leaves):
   _check(leaves, steps)
+
+
+# -- On every rank: values of the partition id ---------------------------------
+# A per-device table is cut at an offset computed from the partition id, which
+# XLA computes at run time on each device; ``constant_values`` runs the
+# interpreter once per rank.  Here one more kind of leaf is the rank's index
+# along a mesh axis, and each value is compared with every device's.
+
+MESH_SHAPE, MESH_AXES = (2, 4), ("a", "b")
+
+
+@st.composite
+def rank_programs(draw):
+  """A program whose first leaf is ``axis_index(axis)`` in some integer type,
+  broadcast (the other leaves and the steps as ``programs`` draws them)."""
+  leaves, steps = draw(programs())
+  axis = draw(st.sampled_from(MESH_AXES + (MESH_AXES,)))
+  dtype = np.dtype(draw(st.sampled_from(INTS)))
+  scale = draw(st.integers(-3, 3))  # an offset of whole tiles: r * scale
+  return leaves, steps, (axis, dtype, scale)
+
+
+def _rank_leaf(axis, dtype, scale):
+  r = lax.axis_index(axis)
+  return lax.convert_element_type(r * scale, dtype) + jnp.zeros((N,), dtype)
+
+
+def _per_rank(leaves, steps, rank):
+  """The program as a shard_map over an 8-device mesh, the rank leaf first
+  (so the steps' operand numbers move up by one)."""
+  from jax import shard_map
+  from tools.zoo.cases import mesh_of
+  mesh = mesh_of(MESH_SHAPE, MESH_AXES)
+  consts = [np.asarray(x) for x in leaves]
+  shifted = [_shifted(s) for s in steps]
+
+  def body(_):
+    vals = _run([_rank_leaf(*rank)] + [jnp.asarray(c) for c in consts], shifted)
+    return tuple(v[None] for v in vals)
+
+  outs = (P(MESH_AXES),) * (1 + len(leaves) + len(steps))
+  return jax.jit(shard_map(body, mesh=mesh, in_specs=P(MESH_AXES), out_specs=outs,
+                           check_vma=False)), mesh
+
+
+def _shifted(step):
+  """``step`` with its operand numbers moved past a new first value."""
+  kind = step[0]
+  fields = {"unary": (2,), "convert": (2,), "binary": (2, 3), "compare": (2, 3),
+            "select": (1, 2, 3), "window": (1, 2), "pad": (1, 2), "dynamic_slice": (1, 2),
+            "dynamic_update_slice": (1, 2), "transpose": (1,)}.get(kind, ())
+  return tuple(x + 1 if k in fields else x for k, x in enumerate(step))
+
+
+def _check_ranks(leaves, steps, rank) -> int:
+  """Assert every value trusted at every rank is what that device computes;
+  the number of trusted values past the leaves."""
+  from graphguard_hlo.lowering import lower_distributed
+  from graphguard_hlo.pipeline import prepare_dist
+  dist, mesh = _per_rank(leaves, steps, rank)
+  ranks = int(np.prod(MESH_SHAPE))
+  dummy = jax.ShapeDtypeStruct((ranks,), jnp.float32, sharding=NamedSharding(mesh, P(MESH_AXES)))
+  program = prepare_dist(lower_distributed(dist, dummy))
+  env = _exact_values(_small_ops(program.graph), ranks)
+  real = [np.asarray(v) for v in dist(np.zeros(ranks, np.float32))]
+  trusted = 0
+  for k, v in enumerate(program.graph.results):
+    if v.id not in env:
+      continue
+    trusted += k > len(leaves)
+    for r in range(ranks):
+      mine = np.asarray(env[v.id][r]).reshape(real[k][r].shape)
+      assert _same_bits(mine, real[k][r]), (
+          f"value {k} at rank {r}: interpreter {mine!r}, XLA {real[k][r]!r}\n"
+          f"rank leaf {rank}\nleaves {leaves}\nsteps {steps}")
+  return trusted
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(rank_programs())
+def test_trusted_per_rank_values_are_what_each_device_computes(program):
+  _check_ranks(*program)
+
+
+def test_the_rank_fuzzer_reaches_trusted_values_past_the_leaves():
+  reached = []
+
+  @settings(max_examples=20, deadline=None, derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+  @given(rank_programs())
+  def count(program):
+    reached.append(_check_ranks(*program))
+
+  count()
+  assert sum(reached) >= 20
