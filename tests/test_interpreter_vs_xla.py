@@ -214,19 +214,23 @@ def test_trusted_values_are_what_xla_computes(program):
   _check(*program)
 
 
-def test_the_fuzzer_reaches_trusted_values_past_the_leaves():
-  """A run of the generator where nothing past the leaves was trusted would
-  pass while testing nothing."""
+def _trusted_past_the_leaves(draw_programs, check, examples: int) -> int:
+  """How many values past the leaves ``check`` found trusted over ``examples``
+  programs: a generator reaching none would pass while testing nothing."""
   reached = []
 
-  @settings(max_examples=40, deadline=None, derandomize=True,
+  @settings(max_examples=examples, deadline=None, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-  @given(programs())
+  @given(draw_programs())
   def count(program):
-    reached.append(_check(*program))
+    reached.append(check(*program))
 
   count()
-  assert sum(reached) >= 40
+  return sum(reached)
+
+
+def test_the_fuzzer_reaches_trusted_values_past_the_leaves():
+  assert _trusted_past_the_leaves(programs, _check, 40) >= 40
 
 
 @pytest.mark.parametrize("steps,leaves", [
@@ -327,13 +331,4 @@ def test_trusted_per_rank_values_are_what_each_device_computes(program):
 
 
 def test_the_rank_fuzzer_reaches_trusted_values_past_the_leaves():
-  reached = []
-
-  @settings(max_examples=20, deadline=None, derandomize=True,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-  @given(rank_programs())
-  def count(program):
-    reached.append(_check_ranks(*program))
-
-  count()
-  assert sum(reached) >= 20
+  assert _trusted_past_the_leaves(rank_programs, _check_ranks, 20) >= 20
