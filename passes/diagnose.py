@@ -17,8 +17,8 @@ from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.collectives import COLLECTIVES
 from graphguard_hlo.passes.layout import Layout, scales_equal
-from graphguard_hlo.passes.pieces import Pieces, partner_dim
 from graphguard_hlo.passes.online_softmax import infinite_max_words
+from graphguard_hlo.passes.pieces import Pieces, partner_dim
 from graphguard_hlo.passes.sharding import group_axes
 from graphguard_hlo.passes.terms import freeze
 from graphguard_hlo.passes.transfer import ring_shift

@@ -29,8 +29,9 @@ Each is an identity of real arithmetic on finite values, and needs the new
 max ``m'`` finite: where a row of every block so far is masked with -inf,
 ``m' = -inf`` and the program computes ``exp(-inf + inf) = NaN`` (flash
 attention's classic bug), which no rewrite may hide.  So a step whose scores
-are masked, biased or padded with an infinite constant is not rewritten
-(``why_max_may_be_infinite``); a finite mask value (-1e9) keeps ``m'`` finite.
+may be infinite is not rewritten (``why_max_may_be_infinite``: masked, biased
+or padded with an infinite constant, a ``log``, an input, or two ``finfo.min``
+masks added); a finite mask value (-1e9) keeps ``m'`` finite.
 Tested numerically in ``tests/test_online_softmax.py``.
 """
 
