@@ -60,7 +60,7 @@ _INTEGER_ARITHMETIC = {
 }
 
 
-def _small_ops(graph: ir.Graph) -> list[ir.Op]:
+def small_ops(graph: ir.Graph) -> list[ir.Op]:
   """The graph's ops an input-free value may come from: not loops (their
   bodies are related by loops.py), no result past MAX_ELEMENTS."""
   return [op for op in graph.ops if op.name != "while"
@@ -137,12 +137,15 @@ def _exact(op: ir.Op, args: list[np.ndarray], out: np.ndarray) -> bool:
   if not is_integer_type(dtype) or (dtype in ("pred", "i1") and name not in ("and", "or", "xor")):
     return False  # float arithmetic, transcendentals, reductions: not bit for bit
   if name in ("divide", "remainder"):
-    # XLA truncates toward zero, Python floors: alike on nonnegative operands.
+    # XLA truncates toward zero (Python floors), and the remainder has the
+    # dividend's sign: jnp's ``(r - t) % n`` is a remainder of a negative.
     a, b = (_python_ints(x, out.shape) for x in args)
-    if any(x < 0 for x in a) or any(y <= 0 for y in b):
+    if any(y == 0 for y in b):
       return False
-    exact = [x // y if name == "divide" else x % y for x, y in zip(a, b)]
-    return exact == _python_ints(out, out.shape)
+    quotients = [_truncated_quotient(x, y) for x, y in zip(a, b)]
+    exact = quotients if name == "divide" else [x - y * q for x, y, q in zip(a, b, quotients)]
+    low, high = type_bounds(dtype)
+    return exact == _python_ints(out, out.shape) and all(low <= v <= high for v in exact)
   if name in _INTEGER_ARITHMETIC:
     operands = [_python_ints(a, out.shape) for a in args]
     exact = [_INTEGER_ARITHMETIC[name](*vs) for vs in zip(*operands)]
@@ -150,6 +153,12 @@ def _exact(op: ir.Op, args: list[np.ndarray], out: np.ndarray) -> bool:
     bounds = type_bounds(dtype)
     return exact == got and all(bounds[0] <= v <= bounds[1] for v in exact)
   return False
+
+
+def _truncated_quotient(x: int, y: int) -> int:
+  """x / y rounded toward zero, as XLA divides integers."""
+  q = abs(x) // abs(y)
+  return q if (x >= 0) == (y > 0) else -q
 
 
 def _subnormal(x: np.ndarray) -> bool:
@@ -177,7 +186,7 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
   return bool(np.array_equal(a, b))
 
 
-def _exact_values(ops: list[ir.Op], ranks: int) -> dict:
+def exact_values(ops: list[ir.Op], ranks: int) -> dict:
   """The values of ``ops`` the interpreter computes as XLA does on every rank,
   from constants (and the partition id) alone."""
   interpreter, env = Interpreter(ranks), {}
@@ -263,7 +272,7 @@ class ConstantValues:
 
   def _seq_value(self, s: ir.Value) -> Optional[np.ndarray]:
     if self._seq_env is None:
-      self._seq_env = _exact_values(_small_ops(self.seq), 1)
+      self._seq_env = exact_values(small_ops(self.seq), 1)
     found = self._seq_env.get(s.id)
     return None if found is None else np.asarray(found[0])
 
@@ -275,7 +284,7 @@ class ConstantValues:
         self._coords = mesh_coords(self.mesh)
       except Unsupported:
         return self._dist_by_type
-      self._dist_env = _exact_values(_small_ops(self.dist), len(self._coords))
+      self._dist_env = exact_values(small_ops(self.dist), len(self._coords))
       for op in self.dist.ops:
         for r in op.results:
           if r.id in self._dist_env:

@@ -6,7 +6,7 @@ XLA does.  Three audits each found a corner where it did not (a saturating
 convert, XLA's folding of unsigned starts, NaN payloads).  This test looks for
 the next one directly: it draws small programs from the trusted ops (and a few
 untrusted ones, which must stay untrusted or agree), and checks that every
-value ``_exact_values`` keeps equals, bit for bit, what XLA computes for it.
+value ``exact_values`` keeps equals, bit for bit, what XLA computes for it.
 
 Each program is run by XLA twice: with its leaves as constants, which XLA
 folds at compile time (as it folds the zig-zag tables), and with them passed
@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from graphguard_hlo.lowering import lower_sequential
-from graphguard_hlo.passes.constant_values import _exact_values, _same_bits, _small_ops
+from graphguard_hlo.passes.constant_values import exact_values, _same_bits, small_ops
 
 N = 6  # every vector value has N elements; N = 2 * 3 so it transposes
 INTS = (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32)
@@ -186,11 +186,11 @@ def _xla_values(leaves, steps, folded: bool) -> list[np.ndarray]:
 
 
 def _trusted_values(leaves, steps) -> dict[int, np.ndarray]:
-  """The values ``_exact_values`` keeps, by their position among the results."""
+  """The values ``exact_values`` keeps, by their position among the results."""
   consts = [np.asarray(x) for x in leaves]
   module = lower_sequential(lambda _: _run([jnp.asarray(c) for c in consts], steps),
                             jax.ShapeDtypeStruct((1,), jnp.float32))
-  env = _exact_values(_small_ops(module.main), 1)
+  env = exact_values(small_ops(module.main), 1)
   return {k: np.asarray(env[v.id][0]) for k, v in enumerate(module.main.results) if v.id in env}
 
 
@@ -308,7 +308,7 @@ def _check_ranks(leaves, steps, rank) -> int:
   ranks = int(np.prod(MESH_SHAPE))
   dummy = jax.ShapeDtypeStruct((ranks,), jnp.float32, sharding=NamedSharding(mesh, P(MESH_AXES)))
   program = prepare_dist(lower_distributed(dist, dummy))
-  env = _exact_values(_small_ops(program.graph), ranks)
+  env = exact_values(small_ops(program.graph), ranks)
   real = [np.asarray(v) for v in dist(np.zeros(ranks, np.float32))]
   trusted = 0
   for k, v in enumerate(program.graph.results):
