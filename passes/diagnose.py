@@ -644,6 +644,14 @@ def _fold_words(inf, op: ir.Op) -> Optional[str]:
     names = [x for d in dims for x in r.layout.dims[d]]
     if len(names) == 1 and axis_base(names[0]) in inf.transfer.rings:
       turns.setdefault(axis_base(names[0]), set()).add(axis_shift(names[0]))
+  # An online softmax left as it is, its running max maybe infinite, holds
+  # its blocks in no form a fold reads: that is the cause to name first.
+  infinite = infinite_max_words(inf.dist.module, inf.dist.graph) if turns else None
+  if infinite is not None:
+    infinite = (f"its online softmax is not telescoped, since its running max may be "
+                f"infinite: {infinite}; where a row's blocks so far are all masked the device "
+                f"computes exp(-inf + inf) = NaN (mask with a finite value, -1e9, or start "
+                f"each rank on a block that keeps a key in every row)")
   for axis, found in turns.items():
     n = inf.mesh.axis_size(axis)
     missing = sorted(set(range(n)) - found)
@@ -651,13 +659,14 @@ def _fold_words(inf, op: ir.Op) -> Optional[str]:
       words = (f"the per-device program holds every block {axis}+{{0..{n - 1}}} of %{v.id} "
                f"that a ring passes round {axis!r}, but no sum (or max) of this "
                f"{op.name}'s per-block results over exactly those blocks: ")
-      infinite = infinite_max_words(inf.dist.graph)
       if infinite is not None:
-        return (f"{words}its online softmax is not telescoped, since its running max may "
-                f"be infinite: {infinite}; where a row's blocks so far are all masked the "
-                f"device computes exp(-inf + inf) = NaN (mask with a finite value, -1e9)")
+        return words + infinite
       return (f"{words}an online softmax must rescale what it has summed by exp(m - m_new) "
               f"whenever the running max grows (a rescale forgotten?)")
+    if infinite is not None:
+      return (f"the {op.name} over dims {list(dims)} of %{v.id} runs over blocks a ring "
+              f"passes round {axis!r}, and the per-device program combines only blocks "
+              f"{axis}+{{{','.join(map(str, sorted(found)))}}} of it: {infinite}")
     blocks = lambda js: "{" + ",".join(map(str, sorted(js))) + "}"
     permutes = [(d, shift) for d in inf.dist.graph.walk() if d.name == "collective_permute"
                 for shift in [ring_shift(d, inf.mesh)] if shift is not None]

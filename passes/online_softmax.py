@@ -43,6 +43,7 @@ from typing import Optional
 import numpy as np
 
 from graphguard_hlo import ir
+from graphguard_hlo.passes.finite_rows import FiniteRows
 
 
 def _producer(v: ir.Value, name: str) -> Optional[ir.Op]:
@@ -200,7 +201,8 @@ def _may_overflow(value: float, dtype: str) -> bool:
   return abs(value) >= top / 2
 
 
-def why_max_may_be_infinite(m_new: ir.Value, budget: int = 256) -> Optional[str]:
+def why_max_may_be_infinite(m_new: ir.Value, budget: int = 256,
+                            finite: Optional[FiniteRows] = None) -> Optional[str]:
   """Why a row of ``m_new`` could be -inf (or +inf), in words; None if it
   cannot.  The walk follows the ops a mask reaches the max through, and
   answers where the scores are filled or biased with an infinite constant,
@@ -208,13 +210,16 @@ def why_max_may_be_infinite(m_new: ir.Value, budget: int = 256) -> Optional[str]
   input (an attention bias given as an argument may hold -inf); or where a
   constant of half the type's range meets a sum (two ``finfo.min`` masks
   added overflow to -inf).  Scores the walk leaves at other ops (``q @ k``)
-  are finite for finite inputs."""
+  are finite for finite inputs.  ``finite``: where it proves a max finite
+  (a mask keeping a key in every row, ``finite_rows.py``), the walk stops."""
   from graphguard_hlo.passes.terms import splat_value
   seen, work = set(), [(m_new, False, False)]
   while work and budget > 0:
     v, in_sum, in_mask = work.pop()
     op = v.producer
     if op is None or id(op) in seen or op.name not in _TO_THE_MAX:
+      continue
+    if op.name == "maximum" and finite is not None and finite.is_finite(v):
       continue
     seen.add(id(op))
     budget -= 1
@@ -244,15 +249,25 @@ def why_max_may_be_infinite(m_new: ir.Value, budget: int = 256) -> Optional[str]
   return None if budget > 0 else "the scores come from more ops than the walk follows"
 
 
-def infinite_max_words(graph: ir.Graph) -> Optional[str]:
+def finite_rows(module: ir.Module, graph: ir.Graph) -> FiniteRows:
+  """The graph's proofs of finite row maxima, made once per graph."""
+  found = getattr(graph, "_finite_rows", None)
+  if found is None:
+    found = FiniteRows(module, graph, lambda v: why_max_may_be_infinite(v) is not None)
+    graph._finite_rows = found  # type: ignore[attr-defined]
+  return found
+
+
+def infinite_max_words(module: ir.Module, graph: ir.Graph) -> Optional[str]:
   """For a report: why some online-softmax rescale ``exp(m - m')`` of
   ``graph`` was not telescoped (the first such), or None."""
+  finite = finite_rows(module, graph)
   for op in graph.walk():
     if op.name != "multiply":
       continue
     for v in op.operands:
       scale = _row_scale(v)
-      why = None if scale is None else why_max_may_be_infinite(scale[1])
+      why = None if scale is None else why_max_may_be_infinite(scale[1], finite=finite)
       if why is not None:
         return why
   return None
@@ -266,7 +281,8 @@ def online_rescale(module, graph, op: ir.Op) -> Optional[ir.Value]:
     return None
   for scale_v, x in (op.operands, op.operands[::-1]):
     scale = _row_scale(scale_v)
-    if scale is None or why_max_may_be_infinite(scale[1]) is not None:
+    if scale is None or why_max_may_be_infinite(
+        scale[1], finite=finite_rows(module, graph)) is not None:
       continue
     if splat_value(x) == 0.0 and x.type == op.results[0].type:
       return x

@@ -22,31 +22,48 @@ MESH = mesh_of((4,), ("cp",))
 B, T, H, HD = 1, 8, 1, 4
 
 
-def _attention(mask_value):
+def _attention(mask_value, spelling=None):
+  """``spelling``: the causal mask as the ring spells it (default: ``tril``)."""
   def seq(q, k, v):
     scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(2.0)
-    scores = jnp.where(jnp.tril(jnp.ones((T, T), dtype=bool)), scores, mask_value)
+    if spelling is None:
+      scores = jnp.where(jnp.tril(jnp.ones((T, T), dtype=bool)), scores, mask_value)
+    else:
+      positions = jnp.arange(T, dtype=jnp.int32)
+      scores = _SPELLINGS[spelling](positions, positions, scores, mask_value)
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("bhst,bthd->bshd", probs, v).reshape(B, T, H * HD)
   return seq
 
 
-def _ring(mask_value):
+_SPELLINGS = {  # the causal mask of rows against columns, three ways
+    "rows_ge_cols": lambda rows, cols, s, fill: jnp.where(rows[:, None] >= cols[None, :], s, fill),
+    "cols_le_rows": lambda rows, cols, s, fill: jnp.where(cols[None, :] <= rows[:, None], s, fill),
+    "fill_where_lt": lambda rows, cols, s, fill: jnp.where(rows[:, None] < cols[None, :], fill, s),
+}
+
+
+def _ring(mask_value, passed_first=True, spelling="rows_ge_cols"):
   """Online-softmax ring attention whose k/v are passed on once before the
   first step: rank r starts on key block r - 1, which for rank 0 is wholly
-  masked (correct in real arithmetic; NaN with an infinite mask)."""
+  masked (correct in real arithmetic; NaN with an infinite mask).
+  ``passed_first=False``: each rank starts on its own block, whose diagonal
+  it keeps (finite from the first step on, whatever the mask value)."""
+  first = 1 if passed_first else 0
+
   def local(q, k, v):
     b, s, h, hd = q.shape
     n, r = lax.axis_size("cp"), lax.axis_index("cp")
     perm = [(i, (i + 1) % n) for i in range(n)]
-    k, v = lax.ppermute(k, "cp", perm), lax.ppermute(v, "cp", perm)
+    if passed_first:
+      k, v = lax.ppermute(k, "cp", perm), lax.ppermute(v, "cp", perm)
     m = jnp.full((b, h, s), -jnp.inf, jnp.float32)
     l, o = jnp.zeros((b, h, s), jnp.float32), jnp.zeros((b, h, s, hd), jnp.float32)
     for t in range(n):
       rows = jnp.arange(s, dtype=jnp.int32) + r * s
-      cols = jnp.arange(s, dtype=jnp.int32) + ((r - t - 1) % n) * s
+      cols = jnp.arange(s, dtype=jnp.int32) + ((r - t - first) % n) * s
       scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(2.0)
-      scores = jnp.where(rows[:, None] >= cols[None, :], scores, mask_value)
+      scores = _SPELLINGS[spelling](rows, cols, scores, mask_value)
       m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
       rescale = jnp.exp(m - m_new)
       p = jnp.exp(scores - m_new[..., None])
@@ -60,10 +77,14 @@ def _ring(mask_value):
   return jax.jit(shard_map(local, mesh=MESH, in_specs=(spec,) * 3, out_specs=spec))
 
 
-@pytest.mark.parametrize("mask_value, proved", [(-1e9, True), (-np.inf, False)],
-                         ids=["finite_mask", "infinite_mask"])
-def test_a_ring_masked_with_minus_infinity_is_proved_only_if_finite(mask_value, proved):
-  seq, dist = _attention(mask_value), _ring(mask_value)
+@pytest.mark.parametrize("mask_value, passed_first, proved", [
+    (-1e9, True, True), (-np.inf, True, False), (-np.inf, False, True)],
+    ids=["finite_mask", "infinite_mask", "infinite_mask_own_block_first"])
+def test_a_ring_masked_with_minus_infinity_is_proved_only_if_its_max_is_finite(
+    mask_value, passed_first, proved):
+  """With -inf, only the ring whose first block keeps a key in every row (its
+  own block's diagonal) computes finite numbers, and only it is proved."""
+  seq, dist = _attention(mask_value), _ring(mask_value, passed_first)
   rng = np.random.default_rng(0)
   q, k, v = (rng.standard_normal((B, T, H, HD)).astype(np.float32) for _ in range(3))
   assert np.allclose(np.asarray(dist(q, k, v)), np.asarray(seq(q, k, v)), atol=1e-5) == proved
@@ -134,3 +155,19 @@ def test_a_ring_mask_infinite_at_run_time_is_not_proved(mask, proved):
     assert "running max may be infinite" in result.failure.diagnosis
     assert {"log_of_mask": "log", "bias_input": "with an input",
             "two_min_masks": "two such masks added"}[mask] in result.failure.diagnosis
+
+
+@pytest.mark.parametrize("spelling", sorted(_SPELLINGS))
+@pytest.mark.parametrize("passed_first", [False, True], ids=["own_block_first", "passed_first"])
+@pytest.mark.parametrize("vectors_only", [False, True], ids=["mask_computed", "vectors_only"])
+def test_a_causal_mask_keeping_a_key_in_every_row_is_seen_however_spelled(
+    spelling, passed_first, vectors_only, monkeypatch):
+  """``finite_rows`` reads the mask's numbers on every rank; a real block's
+  mask is too large for that (4096^2), and then only the row and column
+  vectors are computed (``vectors_only``: tables past 3 elements are not)."""
+  from graphguard_hlo.passes import constant_values
+  if vectors_only:
+    monkeypatch.setattr(constant_values, "MAX_ELEMENTS", 3)
+  seq, dist = _attention(-np.inf, spelling), _ring(-np.inf, passed_first, spelling)
+  z = jax.ShapeDtypeStruct((B, T, H, HD), np.float32, sharding=NamedSharding(MESH, P(None, "cp")))
+  assert verify(seq, dist, z, z, z).refines == (not passed_first)
