@@ -114,9 +114,16 @@ def check_relations(inference, seed: int = 0, nonnegative: Sequence[int] = ()) -
   return out
 
 
+def _nan(x: np.ndarray) -> np.ndarray:
+  return np.isnan(x) if x.dtype.kind in "fc" else np.zeros(x.shape, bool)
+
+
 def _check_zeros(inference, members, dist_env, coords, out: RelationCheck) -> None:
   """Every value the zero dataflow (``passes/zeros.py``) says is zero at some
-  ranks is zero there."""
+  ranks is zero there.  NaN elements are not counted against it: the facts
+  are read in real arithmetic (``0 * x = 0``), and a device that computes
+  ``0 * NaN`` (an online softmax's rescale of a wholly masked row, a seeded
+  bug) is outside it."""
   zeros = inference.transfer.zeros
   axes = [name for name, _ in inference.mesh.axes]
   for cls, values in members.items():
@@ -128,8 +135,9 @@ def _check_zeros(inference, members, dist_env, coords, out: RelationCheck) -> No
     for pattern in facts:
       at = dict(pattern)
       for rank, c in enumerate(coords):
+        x = np.asarray(dist_env[known[0].id][rank])
         if all(c[axes.index(a)] == k for a, k in at.items()) and \
-            np.any(np.asarray(dist_env[known[0].id][rank]) != 0):
+            np.any((x != 0) & ~_nan(x)):
           out.failures.append(f"{_name(known[0])} is not zero at rank {dict(zip(axes, c))} "
                               f"(zeros.py: zero at {at or 'every rank'})")
           break

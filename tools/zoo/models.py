@@ -83,6 +83,10 @@ class Config:
   # "bfloat16": mixed precision, the parameters (kept in float32) cast to
   # bfloat16 where the loss reads them, the loss returned in float32.
   compute_dtype: str = "float32"
+  # The causal mask's fill.  -inf, as many hand-written attentions spell it,
+  # is sound in an online softmax only where every row keeps a key from the
+  # first block on (else exp(-inf + inf) = NaN).
+  mask_value: float = -1e9
 
   def __post_init__(self):
     assert self.embedding in ("one_hot", "take"), self
@@ -325,7 +329,7 @@ def rmsnorm(x, g):
   return x * lax.rsqrt(ms + EPS) * g
 
 
-def causal_attention(q, k, v, mask=lower_triangle):
+def causal_attention(q, k, v, mask=lower_triangle, mask_value=-1e9):
   """q [b, sq, h, hd], k, v [b, sk, h, hd] -> [b, sq, h * hd]; heads are
   independent, so a device holding some heads of q, k, v computes those
   heads' outputs, and one holding some queries (and every key) those
@@ -333,7 +337,7 @@ def causal_attention(q, k, v, mask=lower_triangle):
   b, s, h, hd = q.shape
   scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(np.sqrt(hd))
   causal = mask(s, k.shape[1])
-  scores = jnp.where(causal, scores, np.float32(-1e9))
+  scores = jnp.where(causal, scores, np.float32(mask_value))
   probs = jax.nn.softmax(scores, axis=-1)
   return jnp.einsum("bhst,bthd->bshd", probs, v).reshape(b, s, h * hd)
 
@@ -406,7 +410,7 @@ def gpt2_parts(cfg: Config, par: Parallel = SEQUENTIAL) -> Parts:
       attn = par.attend(q, k, v) @ w("wo")
     else:
       k, v = par.gather_kv(k), par.gather_kv(v)
-      attn = causal_attention(q, k, v, par.causal_mask) @ w("wo")
+      attn = causal_attention(q, k, v, par.causal_mask, cfg.mask_value) @ w("wo")
     h = h + (par.reduce_attn(attn) + w("bo"))
     m = par.gather_seq(layernorm(h, w("ln2_g"), w("ln2_b")))
     mlp = jax.nn.gelu(m @ w("w_fc") + w("b_fc"), approximate=True) @ w("w_proj")
@@ -443,7 +447,7 @@ def _gqa_attention(a, wq, wk, wv, cos, sin, cfg: Config, par: Parallel):
   k, v = par.gather_kv(k), par.gather_kv(v)
   k = par.local_heads(par.repeat_kv(k, cfg.kv_groups), n_q)
   v = par.local_heads(par.repeat_kv(v, cfg.kv_groups), n_q)
-  return causal_attention(q, k, v, par.causal_mask)
+  return causal_attention(q, k, v, par.causal_mask, cfg.mask_value)
 
 
 def llama3_parts(cfg: Config, par: Parallel = SEQUENTIAL) -> Parts:

@@ -204,10 +204,10 @@ def _block_mask(s, r, n, t):
   return rows[:, None] >= cols[None, :]
 
 
-def _block_scores(q, k, mask):
+def _block_scores(q, k, mask, mask_value=-1e9):
   """Scaled scores of this rank's queries against a key block, masked."""
   scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.float32(np.sqrt(q.shape[-1]))
-  return jnp.where(mask, scores, np.float32(-1e9))
+  return jnp.where(mask, scores, np.float32(mask_value))
 
 
 def _varying_like(x, carry):
@@ -234,22 +234,28 @@ def _zigzag_block_mask(s, r, n, t):
 
 
 def _online_softmax_ring(q, k, v, axis_name, shift=1, rescale_output=True, ring_axis=None,
-                         fori=False, block_mask=_block_mask):
+                         fori=False, block_mask=_block_mask, mask_value=-1e9,
+                         passed_first=False):
   """Causal attention of this rank's queries round a ring of k/v blocks:
   (out [b, h, s, hd], row max m, denominator l).  ``fori``: the steps as a
   ``lax.fori_loop`` whose every step passes its block on (the last one brings
   each block home), as ring attention libraries write it; else a Python loop,
   the last step keeping its block.  ``block_mask(s, r, n, t)``: the mask of
-  the block in hand at step t (contiguous shards, or zig-zag chunks)."""
+  the block in hand at step t (contiguous shards, or zig-zag chunks).
+  ``passed_first``: the blocks passed on once before the first step, so rank
+  r starts on block r - 1 (rank 0 on the last, which it masks wholly)."""
   ring_axis = ring_axis or axis_name
   b, s, h, hd = q.shape
   n = lax.axis_size(axis_name)
   r = lax.axis_index(axis_name)
   perm = _ring_perm(n, shift)
+  if passed_first:
+    k, v = lax.ppermute(k, ring_axis, perm), lax.ppermute(v, ring_axis, perm)
 
   def step(t, carry, pass_on=True):
     k, v, m, l, o = carry
-    scores = _block_scores(q, k, block_mask(s, r, n, t))
+    held = t + 1 if passed_first else t  # the block's step count from home
+    scores = _block_scores(q, k, block_mask(s, r, n, held), mask_value)
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
     rescale = jnp.exp(m - m_new)
     p = jnp.exp(scores - m_new[..., None])
@@ -278,7 +284,7 @@ def _merge_heads(out):
 
 
 def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None, fori=False,
-                    block_mask=_block_mask):
+                    block_mask=_block_mask, mask_value=-1e9, passed_first=False):
   """Ring attention (Liu et al.) for causal attention: k/v blocks go round
   the ring; each step scores this rank's queries against the block in hand,
   masked at both blocks' offsets, and folds it into an online softmax (running
@@ -287,10 +293,12 @@ def _ring_attention(axis_name, shift=1, rescale_output=True, ring_axis=None, for
   came from it.  ``rescale_output=False``, the other: o is not rescaled when
   the running max grows (l is), so earlier blocks keep too large a weight.
   ``ring_axis`` (default ``axis_name``): the axis the blocks go round; another
-  one is the wrong-axis bug.  ``fori``: the ring's steps under ``lax.fori_loop``."""
+  one is the wrong-axis bug.  ``fori``: the ring's steps under ``lax.fori_loop``.
+  ``mask_value`` -inf with ``passed_first``: the bug of a NaN, rank 0's rows
+  masked wholly at the first step (``exp(-inf + inf)``)."""
   def attend(q, k, v):
     out, _, _ = _online_softmax_ring(q, k, v, axis_name, shift, rescale_output, ring_axis,
-                                     fori, block_mask)
+                                     fori, block_mask, mask_value, passed_first)
     return _merge_heads(out)
   return attend
 
@@ -354,10 +362,11 @@ def _ring_attention_vjp(axis_name, grad_shift=1, lse_log=True, fori=False,
   return attend
 
 
-def _ring_attention_par(shift=1, rescale_output=True, fori=False):
-  """``cp`` with ring attention instead of gathered k/v."""
+def _ring_attention_par(shift=1, rescale_output=True, fori=False, **masking):
+  """``cp`` with ring attention instead of gathered k/v (``masking``:
+  ``mask_value``, ``passed_first``, as ``_ring_attention`` takes them)."""
   return dataclasses.replace(_cp_par(), attend=_ring_attention("cp", shift, rescale_output,
-                                                               fori=fori))
+                                                               fori=fori, **masking))
 
 
 def _ring_attention_vjp_par(**bug):
@@ -978,6 +987,12 @@ CP_ZIGZAG_TAKE_VJP = dataclasses.replace(CP_ZIGZAG_TAKE, name="cp_zigzag_take_vj
                    position_rows=_zigzag_rows_by_hand("cp", by_index=True))))
 RING_ATTENTION = _Strategy("ring_attention", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
                            _ring_attention_par)
+# Ring attention masked with -inf, as many hand-written attentions are: sound
+# since each rank starts on its own block, whose diagonal every row keeps.
+RING_ATTENTION_INF_MASK = dataclasses.replace(
+    RING_ATTENTION, name="ring_attention_inf_mask",
+    par=functools.partial(_ring_attention_par, mask_value=-np.inf),
+    cfg_overrides=RING_ATTENTION.cfg_overrides + (("mask_value", -np.inf),))
 RING_ATTENTION_VJP = _Strategy("ring_attention_vjp", (4,), ("cp",), P(None, "cp"),
                                _cp_param_spec, _ring_attention_vjp_par)
 # The same with each ring's steps under lax.fori_loop (passes/ring_loops.py).
@@ -2149,6 +2164,15 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                  ring_attention_scan.par()))
     built.append(_shard_map_case(model, RING_ATTENTION, cfg, "wrong_permutation",
                                  _ring_attention_par(shift=-1), "wrong_permutation", "reduce"))
+  # Masked with -inf: proved, each row keeping its diagonal at the first step
+  # (finite_rows.py); and the blocks passed on once before the first step, so
+  # rank 0 starts on a block it masks wholly and computes NaN.
+  for model in MODELS:
+    built.append(_shard_map_case(model, RING_ATTENTION_INF_MASK, cfg, "ok",
+                                 RING_ATTENTION_INF_MASK.par()))
+  built.append(_shard_map_case("gpt2", RING_ATTENTION_INF_MASK, cfg, "first_block_masked",
+                               RING_ATTENTION_INF_MASK.par(passed_first=True),
+                               "first_block_masked", "reduce"))
   # The same with the ring's steps under lax.fori_loop (unrolled, ring_loops.py):
   # alone and with the layers under lax.scan; and turning the wrong way.
   for model in MODELS:
