@@ -150,6 +150,24 @@ COMPARISONS = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_
                "GT": np.greater, "GE": np.greater_equal}
 
 
+def _ordered_as(x: np.ndarray, compare_type) -> np.ndarray:
+  """``x`` as numbers that order the way ``compare_type`` compares it: an
+  UNSIGNED compare of signed ints reads their bits unsigned (XLA checks
+  ``0 <= i < n`` in one compare so), a SIGNED one of unsigned ints signed,
+  and TOTALORDER floats by their bits (-NaN < -inf < -0.0 < 0.0 < inf < NaN).
+  The default (no type, or the dtype's own) leaves ``x`` as it is."""
+  kind = str(compare_type or "")
+  if x.dtype.kind in "iu" and ("UNSIGNED" in kind or "SIGNED" in kind):
+    signed = "UNSIGNED" not in kind
+    want = np.dtype(f"{'i' if signed else 'u'}{x.dtype.itemsize}")
+    return x.view(want) if x.dtype != want else x
+  if x.dtype.kind == "f" and "TOTALORDER" in kind:
+    bits = x.view(f"i{x.dtype.itemsize}").astype(np.int64)
+    magnitude = (1 << (8 * x.dtype.itemsize - 1)) - 1
+    return np.where(bits < 0, bits ^ magnitude, bits)  # negatives reversed below the positives
+  return x
+
+
 # -- structural ops ----------------------------------------------------------------
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -445,7 +463,8 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
   if name in BINARY:
     return BINARY[name](xs[0], xs[1])
   if name == "compare":
-    return COMPARISONS[attrs["comparison_direction"]](xs[0], xs[1])
+    a, b = (_ordered_as(x, attrs.get("compare_type")) for x in xs)
+    return COMPARISONS[attrs["comparison_direction"]](a, b)
   if name == "select":
     return np.where(xs[0].astype(bool), xs[1], xs[2])
   if name == "clamp":

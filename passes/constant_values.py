@@ -120,7 +120,8 @@ def _exact(op: ir.Op, args: list[np.ndarray], out: np.ndarray) -> bool:
   if name in ("compare", "convert") and any(_subnormal(a) for a in args):
     return False  # XLA:CPU reads them as zero at run time, not when it folds
   if name == "compare":
-    # The interpreter ignores the compare type: TOTALORDER orders -0.0 and NaNs.
+    # TOTALORDER (-0.0 below 0.0, NaNs ordered) is read by the interpreter but
+    # was never checked against XLA: not trusted.
     if "TOTALORDER" in str(op.attrs.get("compare_type", "")):
       return not any(a.dtype.kind == "f" for a in args)
     return not any(a.dtype.kind == "f" and np.isnan(a).any() for a in args)

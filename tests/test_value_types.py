@@ -147,3 +147,28 @@ def test_integer_types_are_named_one_way(dtype, integer):
   assert is_integer_type(dtype) == integer
   if integer:
     assert type_bounds(dtype) is not None
+
+
+def test_compares_read_their_operands_as_their_compare_type_says():
+  """StableHLO's compare type: XLA's optimized HLO checks 0 <= i < n with one
+  UNSIGNED compare of signed ints (a negative i reads as huge), and a
+  TOTALORDER compare orders -0.0 below 0.0 and NaNs past the infinities.
+  The interpreter read every compare by its operands' dtype."""
+  from graphguard_hlo.reference import evaluate
+  from graphguard_hlo import ir
+  pred = ir.TensorType((3,), "i1")
+  i = np.array([-1, 2, 9], np.int32)
+  n = np.array([4, 4, 4], np.int32)
+  lt = {"comparison_direction": "LT"}
+  unsigned = {**lt, "compare_type": "#stablehlo<comparison_type UNSIGNED>"}
+  np.testing.assert_array_equal(evaluate("compare", lt, [i, n], pred), [True, True, False])
+  np.testing.assert_array_equal(evaluate("compare", unsigned, [i, n], pred), [False, True, False])
+  u = np.array([2**32 - 1, 1, 0], np.uint32)
+  signed = {**lt, "compare_type": "#stablehlo<comparison_type SIGNED>"}
+  np.testing.assert_array_equal(evaluate("compare", signed, [u, np.ones(3, np.uint32)], pred),
+                                [True, False, True])
+  x = np.array([-0.0, np.nan, -np.nan], np.float32)
+  y = np.array([0.0, np.inf, -np.inf], np.float32)
+  total = {**lt, "compare_type": "#stablehlo<comparison_type TOTALORDER>"}
+  np.testing.assert_array_equal(evaluate("compare", lt, [x, y], pred), [False, False, False])
+  np.testing.assert_array_equal(evaluate("compare", total, [x, y], pred), [True, False, True])
