@@ -34,6 +34,7 @@ import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.collectives import reducer_kind
+from graphguard_hlo.passes.nonfinite import Nonfinite
 from graphguard_hlo.passes.terms import splat_value
 
 # a dir b  <=>  b FLIPPED[dir] a;  not (a dir b)  <=>  a NEGATED[dir] b
@@ -81,6 +82,7 @@ class FiniteRows:
     self.has_infinite_source = has_infinite_source
     self._values: Optional[dict] = None
     self._computed_at = -1
+    self.nonfinite = Nonfinite()  # facts of this graph's values (ids are per module)
 
   def is_finite(self, v: ir.Value, depth: int = 0) -> bool:
     op = v.producer

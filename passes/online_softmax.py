@@ -44,6 +44,7 @@ import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.finite_rows import FiniteRows
+from graphguard_hlo.passes.nonfinite import Nonfinite
 
 
 def _producer(v: ir.Value, name: str) -> Optional[ir.Op]:
@@ -202,7 +203,8 @@ def _may_overflow(value: float, dtype: str) -> bool:
 
 
 def why_max_may_be_infinite(m_new: ir.Value, budget: int = 256,
-                            finite: Optional[FiniteRows] = None) -> Optional[str]:
+                            finite: Optional[FiniteRows] = None,
+                            scores: bool = False) -> Optional[str]:
   """Why a row of ``m_new`` could be -inf (or +inf), in words; None if it
   cannot.  The walk follows the ops a mask reaches the max through, and
   answers where the scores are filled or biased with an infinite constant,
@@ -211,9 +213,18 @@ def why_max_may_be_infinite(m_new: ir.Value, budget: int = 256,
   constant of half the type's range meets a sum (two ``finfo.min`` masks
   added overflow to -inf).  Scores the walk leaves at other ops (``q @ k``)
   are finite for finite inputs.  ``finite``: where it proves a max finite
-  (a mask keeping a key in every row, ``finite_rows.py``), the walk stops."""
+  (a mask keeping a key in every row, ``finite_rows.py``), the walk stops.
+  At every row max, and for ``m_new`` itself when ``scores`` (the scores a
+  mask keeps), ``nonfinite.py`` looks for infinities the program writes
+  (constants, poles, constants overflowing) between the matmul and the max,
+  failing closed on ops it does not know."""
   from graphguard_hlo.passes.terms import splat_value
   seen, work = set(), [(m_new, False, False)]
+  nonfinite = finite.nonfinite if finite is not None else Nonfinite()
+  if scores:
+    why = nonfinite.why(m_new)
+    if why is not None:
+      return f"the scores may be infinite: {why}"
   while work and budget > 0:
     v, in_sum, in_mask = work.pop()
     op = v.producer
@@ -221,6 +232,10 @@ def why_max_may_be_infinite(m_new: ir.Value, budget: int = 256,
       continue
     if op.name == "maximum" and finite is not None and finite.is_finite(v):
       continue
+    if op.name == "reduce":  # a row max: what it is the max of, masks and all
+      why = nonfinite.why(op.operands[0])
+      if why is not None:
+        return f"the scores may be infinite: {why}"
     seen.add(id(op))
     budget -= 1
     in_sum = in_sum or op.name in ("add", "subtract")
@@ -253,7 +268,8 @@ def finite_rows(module: ir.Module, graph: ir.Graph) -> FiniteRows:
   """The graph's proofs of finite row maxima, made once per graph."""
   found = getattr(graph, "_finite_rows", None)
   if found is None:
-    found = FiniteRows(module, graph, lambda v: why_max_may_be_infinite(v) is not None)
+    found = FiniteRows(module, graph, lambda v: why_max_may_be_infinite(
+        v, finite=found, scores=True) is not None)
     graph._finite_rows = found  # type: ignore[attr-defined]
   return found
 

@@ -154,7 +154,7 @@ def test_a_ring_mask_infinite_at_run_time_is_not_proved(mask, proved):
   if not proved:
     assert "running max may be infinite" in result.failure.diagnosis
     assert {"log_of_mask": "log", "bias_input": "with an input",
-            "two_min_masks": "two such masks added"}[mask] in result.failure.diagnosis
+            "two_min_masks": "may overflow to inf"}[mask] in result.failure.diagnosis
 
 
 @pytest.mark.parametrize("spelling", sorted(_SPELLINGS))
@@ -171,3 +171,37 @@ def test_a_causal_mask_keeping_a_key_in_every_row_is_seen_however_spelled(
   seq, dist = _attention(-np.inf, spelling), _ring(-np.inf, passed_first, spelling)
   z = jax.ShapeDtypeStruct((B, T, H, HD), np.float32, sharding=NamedSharding(MESH, P(None, "cp")))
   assert verify(seq, dist, z, z, z).refines == (not passed_first)
+
+
+F32 = np.float32
+_HIDDEN = {  # an outer mask keeping every key, an inner causal one (an audit's false proofs)
+    "inner_overflow": lambda rows, cols, s, fill: jnp.where(
+        rows[:, None] + 1000 >= cols[None, :],
+        jnp.where(rows[:, None] >= cols[None, :], s * F32(1e-30), F32(-1e30)) * F32(1e30), fill),
+    "inner_minimum": lambda rows, cols, s, fill: jnp.where(
+        rows[:, None] + 1000 >= cols[None, :],
+        jnp.minimum(s, jnp.where(rows[:, None] >= cols[None, :], F32(np.inf), F32(-np.inf))),
+        fill),
+    "inner_finite": lambda rows, cols, s, fill: jnp.where(
+        rows[:, None] + 1000 >= cols[None, :],
+        jnp.where(rows[:, None] >= cols[None, :], s, F32(-1e9)), fill),
+}
+
+
+@pytest.mark.parametrize("spelling, proved", [
+    ("inner_overflow", False), ("inner_minimum", False), ("inner_finite", True)])
+def test_an_infinite_mask_behind_another_op_is_seen(spelling, proved, monkeypatch):
+  """The outer mask keeps a key in every row, but an inner causal mask makes
+  rank 0's first block -inf anyway: by overflow (-1e30 * 1e30) or through a
+  minimum.  The walk looked at fills and biases of infinite constants only;
+  nonfinite.py follows every op between the scores' matmul and their max."""
+  monkeypatch.setitem(_SPELLINGS, spelling, _HIDDEN[spelling])
+  seq, dist = _attention(-np.inf, spelling), _ring(-np.inf, True, spelling)
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((B, T, H, HD)).astype(np.float32) for _ in range(3))
+  assert np.allclose(np.asarray(dist(q, k, v)), np.asarray(seq(q, k, v)), atol=1e-5) == proved
+  z = jax.ShapeDtypeStruct((B, T, H, HD), np.float32, sharding=NamedSharding(MESH, P(None, "cp")))
+  result = verify(seq, dist, z, z, z)
+  assert result.refines == proved
+  if not proved:
+    assert "the scores may be infinite" in result.failure.diagnosis

@@ -188,7 +188,7 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/ring_attention_fori/shard_map/wrong_permutation": "a ring turning the wrong way",
     "llama3/dp_tp_ring_attention/shard_map/ring_over_wrong_axis": "(wrong axis?)",
     "gpt2/ring_attention_inf_mask/shard_map/first_block_masked":
-        "running max may be infinite: the select at",
+        "running max may be infinite: the scores may be infinite: the select at",
     "gpt2/dp_tp_ring_attention_fori/shard_map/ring_over_wrong_axis": "(wrong axis?)",
     "gpt2/ring_attention/shard_map/output_not_rescaled": "a rescale forgotten?",
     "llama3/ring_attention_vjp_grad/shard_map/grads_wrong_way":
