@@ -696,6 +696,16 @@ def _under_reshapes(v: ir.Value) -> Optional[ir.Op]:
   return op
 
 
+def _microbatch_words(inf, op: ir.Op) -> Optional[str]:
+  """A slice the sequential loop's split into microbatches made, with no
+  per-device counterpart: no device runs that microbatch there."""
+  words = getattr(inf.seq, "microbatch_slices", {}).get(id(op))
+  if words is None:
+    return None
+  return (f"{words}; no per-device value holds these rows (a microbatch skipped, or fed at "
+          f"another step?)")
+
+
 def _iota_words(inf, op: ir.Op) -> Optional[str]:
   """A sequential iota (positions, a mask's rows) whose per-device tiles are
   missing: if the devices run iotas of a tile's length, they count from 0."""
@@ -791,7 +801,7 @@ def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   problems = _operand_problems(inf, op)
   for words in (_ring_words(inf, op), _share_words(inf, op) or _fold_words(inf, op),
                 pin_words or _pin_words(inf, op),
-                _iota_words(inf, op), _indexed_tile_words(inf, op),
+                _microbatch_words(inf, op), _iota_words(inf, op), _indexed_tile_words(inf, op),
                 _chunk_order_words(inf, op), _constant_words(inf, op)):
     if words:
       problems.append(words)

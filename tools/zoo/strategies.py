@@ -682,7 +682,8 @@ def _pipeline_stages(axis, shift=1, fori=False, scan=False):
   return run
 
 
-def _gpipe_stages(axis, microbatches, shift=1, inject_late=0, buffered=False, misplaced=0):
+def _gpipe_stages(axis, microbatches, shift=1, inject_late=0, buffered=False, misplaced=0,
+                  scan=False):
   """GPipe over ``axis``: each rank's batch in ``microbatches`` slices; at
   step t stage 0 takes microbatch t, every stage runs its layers on what it
   holds and passes it on, and the last stage finishes microbatch t - (n - 1).
@@ -692,7 +693,10 @@ def _gpipe_stages(axis, microbatches, shift=1, inject_late=0, buffered=False, mi
   from the batch reshaped to [microbatches, rows, ...] and the outputs written
   into a zero buffer by ``.at[m].set``, as the JAX pipelining examples do;
   ``misplaced``: the seeded bug, microbatch m's output written at row
-  m + misplaced (mod the count)."""
+  m + misplaced (mod the count).  ``scan``: each stage's layers under
+  ``lax.scan`` over its rows, one loop per step on one microbatch."""
+  run_layers = _scan_stage if scan else run_stack_in_order
+
   def run(h, stacked, layer):
     n = lax.axis_size(axis)
     stage = lax.axis_index(axis)
@@ -708,7 +712,7 @@ def _gpipe_stages(axis, microbatches, shift=1, inject_late=0, buffered=False, mi
     for t in range(microbatches + n - 1):
       if t < microbatches:
         state = jnp.where(stage == 0, pieces[max(t - inject_late, 0)], state)
-      state = run_stack_in_order(state, stacked, layer)
+      state = run_layers(state, stacked, layer)
       if t >= n - 1 and buffered:
         outputs = outputs.at[(t - (n - 1) + misplaced) % microbatches].set(state)
       elif t >= n - 1:
@@ -909,6 +913,12 @@ def _stages_scanned(strategy: _Strategy, par: Callable[[], Parallel]) -> _Strate
 
 
 PP_SCAN = _stages_scanned(PP, functools.partial(_pp_par, scan=True))
+# GPipe with each stage scanning its layers: per step, one loop per stage on
+# one microbatch (the sequential scan, split by stage and microbatch:
+# loop_split.py, microbatch_loops.py).
+GPIPE_SCAN = _stages_scanned(GPIPE, lambda: Parallel(run_stack=_gpipe_stages("pp", 4,
+                                                                           scan=True)))
+
 PP_TP_SCAN = _stages_scanned(PP_TP, functools.partial(_pp_tp_par, scan=True))
 DP_PP_TP_SCAN = _stages_scanned(DP_PP_TP, lambda: _staged(_dp_tp_par(), scan=True))
 
@@ -1859,6 +1869,14 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                  "microbatch_skipped", first_op))
     if grad:
       built.extend(trained_and_double_counted(model, GPIPE, doubled_at))
+  # Each stage scanning its layers: forward proved, each microbatch's loop by
+  # one inductive step; stage 0 fed the microbatch of the step before.
+  for model, first_op, _ in gpipe_bug_ops:
+    built.append(_shard_map_case(model, GPIPE_SCAN, cfg, "ok", GPIPE_SCAN.par()))
+  built.append(_shard_map_case("gpt2", GPIPE_SCAN, cfg, "microbatch_fed_late",
+                               Parallel(run_stack=_gpipe_stages("pp", 4, inject_late=1,
+                                                                scan=True)),
+                               "microbatch_skipped", "slice"))
   # GPipe as the JAX pipelining examples write it: the batch reshaped into
   # microbatches, the outputs set into a buffer row by row (slabs.py); the
   # bug writes microbatch m's output at row m + 1, reported at the first op

@@ -1,0 +1,315 @@
+"""Split a sequential loop over a batch into the loops a pipeline's microbatches run.
+
+GPipe whose stages scan their layers runs, at each step, every stage's loop
+on one microbatch; the sequential program scans the layers over the whole
+batch (once per stage's rows, after ``loop_split.py``).  No per-device loop
+carries the whole batch, so ``loops.py`` finds no partner to prove the
+sequential loop against.  Where the body treats the batch's rows
+independently, running it on each microbatch and concatenating the results
+changes no value::
+
+    h = while(h[B, ...], W)    ->  h_m = while(h[m*b : m*b + b, ...], W),  m < B / b
+                                   h = concat(h_0, .., h_{B/b - 1})
+
+Each piece then has a partner (the per-device loop of the step that runs
+that microbatch), proved by one inductive step as before.
+
+Only where every op of the body carries the batch dim through whole and never
+combines two rows (``_BatchDims``): elementwise ops, broadcasts, reshapes and
+transposes that keep the dim whole, dots and reductions that neither contract
+nor reduce it, slices that take all of it.  Values that do not depend on the
+batch (weights, the counter) never read a value that does; a value the same
+along the batch (a broadcast bias) meeting one that is not is cut alike.
+Other carries are the same in every piece: the first piece's stand for them.
+Sequential program only; the split is chosen by the per-device loops at the
+same source line whose carries are the batch's microbatches, at least one
+such loop a microbatch (a data-parallel rank runs one loop on its tile: its
+relation is a tiling, proved as it is).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from graphguard_hlo import ir
+from graphguard_hlo.passes.canonicalize import _fresh
+from graphguard_hlo.passes.lemmas import ELEMENTWISE
+from graphguard_hlo.passes.loop_edits import clone_region, replace_uses
+from graphguard_hlo.passes.terms import splat_value
+
+_SAME_ALONG_THE_BATCH = ("broadcast_in_dim", "iota", "constant")
+
+
+def split_microbatch_loops(module: ir.Module, dist: ir.Graph) -> int:
+  """Split each loop of ``module``'s main the per-device program runs on
+  microbatches (a loop at the same source line whose carries are the
+  sequential ones cut along one dim); the number of loops split."""
+  partners: dict[str, list[ir.Op]] = {}
+  for op in dist.walk():
+    if op.name == "while":
+      partners.setdefault(str(op.location), []).append(op)
+  graph, split = module.main, 0
+  for loop in [op for op in graph.ops if op.name == "while"]:
+    here = partners.get(str(loop.location), [])
+    for partner in here:
+      cut = _microbatch_cut(loop, partner)
+      if cut is None:
+        continue
+      dims, pieces = cut
+      if sum(1 for p in here if _microbatch_cut(loop, p) == cut) < pieces:
+        continue  # one loop on a rank's tile (data parallel), not one per microbatch
+      batch = _BatchDims.of(loop.regions[1], dims)
+      if batch is None or _condition_reads(loop.regions[0], dims):
+        continue
+      _split(module, graph, loop, dims, pieces, batch)
+      split += 1
+      break
+  return split
+
+
+def _microbatch_cut(loop: ir.Op, partner: ir.Op) -> Optional[tuple[dict[int, int], int]]:
+  """({carry: dim}, pieces) if ``partner``'s carries are ``loop``'s with one
+  dim of some cut into the same number of pieces, the rest alike."""
+  if len(loop.operands) != len(partner.operands):
+    return None
+  dims, pieces = {}, set()
+  for j, (s, d) in enumerate(zip(loop.operands, partner.operands)):
+    if s.type.dtype != d.type.dtype or s.type.rank != d.type.rank:
+      return None
+    differ = [k for k, (a, b) in enumerate(zip(s.shape, d.shape)) if a != b]
+    if not differ:
+      continue
+    if len(differ) > 1 or s.shape[differ[0]] % d.shape[differ[0]]:
+      return None
+    dims[j] = differ[0]
+    pieces.add(s.shape[differ[0]] // d.shape[differ[0]])
+  if len(pieces) != 1:
+    return None
+  return dims, pieces.pop()
+
+
+def _condition_reads(cond: ir.Graph, dims: dict[int, int]) -> bool:
+  read = {v.id for op in cond.walk() for v in op.operands} | {v.id for v in cond.results}
+  return any(cond.params[j].id in read for j in dims)
+
+
+class _BatchDims:
+  """Where the batch dim is in each value of a loop body, if every op
+  carries it through whole and never combines rows (see the module doc)."""
+
+  def __init__(self, extent: int):
+    self.extent = extent                     # the batch's size, in every value
+    self.dim: dict[int, int] = {}           # value id -> its batch dim
+    self.cut_operands: list[tuple[int, int, int]] = []  # (op index, operand, dim)
+
+  @classmethod
+  def of(cls, body: ir.Graph, dims: dict[int, int]) -> Optional["_BatchDims"]:
+    extents = {body.params[j].shape[d] for j, d in dims.items()}
+    if len(extents) != 1:
+      return None
+    found = cls(extents.pop())
+    found.dim = {body.params[j].id: d for j, d in dims.items()}
+    for at, op in enumerate(body.ops):
+      if not found._through(at, op):
+        return None
+    for j, r in enumerate(body.results):
+      if found.dim.get(r.id) != dims.get(j):
+        return None  # a batch carry comes back cut elsewhere, or a weight reads the batch
+    return found
+
+  def _through(self, at: int, op: ir.Op) -> bool:
+    ins = [self.dim.get(v.id) for v in op.operands]
+    if all(d is None for d in ins):
+      return True  # reads no batch value (nested regions: scalar reducers alike)
+    if op.regions and op.name != "reduce":
+      return False
+    out = self._result_dim(at, op, ins)
+    result = op.results[0]
+    if out is None or out >= result.type.rank or result.shape[out] != self.extent:
+      return False  # (a rule's answer checked against the shapes)
+    self.dim[op.results[0].id] = out
+    return len(op.results) == 1
+
+  def _result_dim(self, at: int, op: ir.Op, ins: list) -> Optional[int]:
+    name, result = op.name, op.results[0]
+    if name in ELEMENTWISE and name != "bitcast_convert":
+      d = {x for x in ins if x is not None}
+      if len(d) != 1:
+        return None
+      (d,) = d
+      for k, (v, x) in enumerate(zip(op.operands, ins)):
+        if x is None and v.type.rank:  # a full-shaped operand the same along the batch
+          if v.shape != result.shape or not _same_along(v, d):
+            return None
+          self.cut_operands.append((at, k, d))
+      return d
+    (d, *rest), operands = ins, op.operands
+    if name == "broadcast_in_dim":
+      return op.attrs["broadcast_dimensions"][d]
+    if name == "transpose":
+      return list(op.attrs["permutation"]).index(d)
+    if name == "reshape":
+      return _kept_dim(operands[0].shape, result.shape, d)
+    if name == "slice":
+      whole = (op.attrs["start_indices"][d], op.attrs["limit_indices"][d],
+               op.attrs["strides"][d]) == (0, operands[0].shape[d], 1)
+      return d if whole and not any(x is not None for x in rest) else None
+    if name == "dynamic_slice":
+      whole = op.attrs["slice_sizes"][d] == operands[0].shape[d] and \
+          splat_value(operands[1 + d]) == 0.0
+      return d if whole and not any(x is not None for x in rest) else None
+    if name == "dynamic_update_slice":  # a row of saved activations written whole
+      x, update = operands[:2]
+      whole = ins[1] == d and update.shape[d] == x.shape[d] and \
+          splat_value(operands[2 + d]) == 0.0
+      return d if whole and not any(x is not None for x in ins[2:]) else None
+    if name == "concatenate":
+      return d if op.attrs["dimension"] != d and all(x == d for x in ins) else None
+    if name == "reverse":
+      return d if d not in op.attrs["dimensions"] else None
+    if name == "reduce" and len(operands) == 2 and ins[1] is None:
+      reduced = op.attrs["dimensions"]
+      return None if d in reduced else d - sum(1 for r in reduced if r < d)
+    if name == "dot_general":
+      return _dot_dim(op, ins)
+    return None
+
+
+def _same_along(v: ir.Value, d: int) -> bool:
+  """Is ``v`` the same at every index of dim ``d`` (so cut like its reader)?"""
+  op = v.producer
+  if op is None or op.name not in _SAME_ALONG_THE_BATCH:
+    return False
+  if op.name == "constant":
+    return splat_value(v) is not None
+  if op.name == "iota":
+    return op.attrs["iota_dimension"] != d
+  dims = op.attrs["broadcast_dimensions"]
+  return d not in dims or op.operands[0].shape[dims.index(d)] == 1
+
+
+def _kept_dim(src: tuple, dst: tuple, d: int) -> Optional[int]:
+  """The dim of ``dst`` that is dim ``d`` of ``src`` whole (the same extent,
+  with as many elements before it), if a reshape keeps it."""
+  before = 1
+  for n in src[:d]:
+    before *= n
+  at = 1
+  for k, n in enumerate(dst):
+    if at == before and n == src[d]:
+      return k
+    at *= n
+  return None
+
+
+def _dot_dim(op: ir.Op, ins: list) -> Optional[int]:
+  """The result dim of a dot's batch dim: a free dim of one operand (the
+  other, weights, reads no batch), or a batch dim of both at one position."""
+  at = op.attrs
+  lhs, rhs = ins
+  free = ir.dot_free_dims(at, *(v.type.rank for v in op.operands))
+  n_batch = len(at["lhs_batch"])
+  if lhs is not None and rhs is not None:
+    if lhs in at["lhs_batch"] and rhs in at["rhs_batch"] and \
+        list(at["lhs_batch"]).index(lhs) == list(at["rhs_batch"]).index(rhs):
+      return list(at["lhs_batch"]).index(lhs)
+    return None
+  if lhs is not None:
+    return n_batch + free[0].index(lhs) if lhs in free[0] else None
+  return n_batch + len(free[0]) + free[1].index(rhs) if rhs in free[1] else None
+
+
+def _cut_type(t: ir.TensorType, d: int, pieces: int) -> ir.TensorType:
+  shape = list(t.shape)
+  shape[d] //= pieces
+  return ir.TensorType(tuple(shape), t.dtype)
+
+
+def _piece_body(module: ir.Module, body: ir.Graph, batch: _BatchDims,
+                pieces: int) -> ir.Graph:
+  """``body`` on one microbatch: each batch value's type cut along its
+  batch dim, slices of it taking the cut extent, and the values the same
+  along the batch that meet them made again at the cut shape."""
+  out = clone_region(module, body, {})
+  originals = list(body.params) + [r for op in body.ops for r in op.results]
+  copies = list(out.params) + [r for op in out.ops for r in op.results]
+  for v, c in zip(originals, copies):
+    d = batch.dim.get(v.id)
+    if d is not None:
+      c.type = _cut_type(v.type, d, pieces)
+  for op, new in zip(body.ops, out.ops):
+    d = batch.dim.get(op.results[0].id) if op.results else None
+    if d is None:
+      continue
+    if op.name == "slice":
+      limits = list(new.attrs["limit_indices"])
+      limits[d] //= pieces
+      new.attrs["limit_indices"] = tuple(limits)
+    elif op.name == "dynamic_slice":
+      sizes = list(new.attrs["slice_sizes"])
+      sizes[d] //= pieces
+      new.attrs["slice_sizes"] = tuple(sizes)
+  readers = list(out.ops)
+  for at, k, d in sorted(batch.cut_operands, reverse=True):
+    reader = readers[at]
+    same = reader.operands[k]
+    made = _fresh(module, same.producer.name, list(same.producer.operands),
+                  dict(same.producer.attrs), _cut_type(same.type, d, pieces).shape,
+                  same.type.dtype, same.producer.location)
+    if same.producer.name == "constant":  # a splat, held at its new shape
+      value = np.asarray(same.producer.attrs["value"])
+      made.attrs["value"] = ir.ConstantArray(
+          np.full(made.results[0].shape, value.ravel()[0], dtype=value.dtype))
+    out.ops.insert(out.ops.index(reader), made)
+    reader.operands[k] = made.results[0]
+  return out
+
+
+def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int],
+           pieces: int, batch: _BatchDims) -> None:
+  """``loop`` replaced by ``pieces`` loops, one a microbatch; the slices
+  cutting them are named in ``graph.microbatch_slices`` (for a report)."""
+  if not hasattr(graph, "microbatch_slices"):
+    graph.microbatch_slices = {}  # type: ignore[attr-defined]
+  at = graph.ops.index(loop)
+  new_ops: list[ir.Op] = []
+  cond, body = loop.regions
+  firsts, cut_results = None, {j: [] for j in dims}
+  for m in range(pieces):
+    operands = list(loop.operands)
+    for j, d in dims.items():
+      whole = loop.operands[j]
+      size = whole.shape[d] // pieces
+      starts = [0] * whole.type.rank
+      limits = list(whole.shape)
+      starts[d], limits[d] = m * size, (m + 1) * size
+      new_ops.append(_fresh(module, "slice", [whole],
+                            {"start_indices": tuple(starts), "limit_indices": tuple(limits),
+                             "strides": (1,) * whole.type.rank},
+                            _cut_type(whole.type, d, pieces).shape, whole.type.dtype,
+                            loop.location))
+      operands[j] = new_ops[-1].results[0]
+      graph.microbatch_slices[id(new_ops[-1])] = (  # type: ignore[attr-defined]
+          f"rows {starts[d]}:{limits[d]} along dim {d} are microbatch {m} of {pieces} the "
+          f"sequential loop at {loop.location} runs on, split as the per-device program "
+          f"runs that loop (microbatch_loops.py)")
+    piece_cond = clone_region(module, cond, {})
+    for j, d in dims.items():
+      piece_cond.params[j].type = operands[j].type
+    piece = ir.Op("while", operands, dict(loop.attrs),
+                  [piece_cond, _piece_body(module, body, batch, pieces)], loop.location)
+    piece.results = [module.new_value(v.type, piece, r) for r, v in enumerate(operands)]
+    new_ops.append(piece)
+    firsts = firsts or piece.results
+    for j in dims:
+      cut_results[j].append(piece.results[j])
+  results = list(firsts)
+  for j, d in dims.items():
+    whole = loop.results[j]
+    new_ops.append(_fresh(module, "concatenate", cut_results[j], {"dimension": d},
+                          whole.shape, whole.type.dtype, loop.location))
+    results[j] = new_ops[-1].results[0]
+  graph.ops[at:at + 1] = new_ops
+  replace_uses(graph, {r.id: c for r, c in zip(loop.results, results)})
