@@ -81,11 +81,12 @@ def _microbatch_cut(loop: ir.Op, partner: ir.Op) -> Optional[tuple[dict[int, int
     differ = [k for k, (a, b) in enumerate(zip(s.shape, d.shape)) if a != b]
     if not differ:
       continue
-    if len(differ) > 1 or s.shape[differ[0]] % d.shape[differ[0]]:
+    k = differ[0]
+    if len(differ) > 1 or d.shape[k] == 0 or s.shape[k] % d.shape[k]:
       return None
-    dims[j] = differ[0]
-    pieces.add(s.shape[differ[0]] // d.shape[differ[0]])
-  if len(pieces) != 1:
+    dims[j] = k
+    pieces.add(s.shape[k] // d.shape[k])
+  if len(pieces) != 1 or min(pieces) < 2:
     return None
   return dims, pieces.pop()
 
@@ -121,8 +122,10 @@ class _BatchDims:
 
   def _through(self, at: int, op: ir.Op) -> bool:
     ins = [self.dim.get(v.id) for v in op.operands]
+    if any(v.id in self.dim for region in op.regions for v in _reads(region)):
+      return False  # a region reading a batch value itself (a cond's branch capturing h)
     if all(d is None for d in ins):
-      return True  # reads no batch value (nested regions: scalar reducers alike)
+      return True  # reads no batch value
     if op.regions and op.name != "reduce":
       return False
     out = self._result_dim(at, op, ins)
@@ -175,6 +178,16 @@ class _BatchDims:
     if name == "dot_general":
       return _dot_dim(op, ins)
     return None
+
+
+def _reads(region: ir.Graph):
+  """Every value ``region`` reads: its ops' operands and its (and nested
+  regions') results, which may be values from outside it."""
+  yield from region.results
+  for op in region.walk():
+    yield from op.operands
+    for inner in op.regions:
+      yield from inner.results
 
 
 def _same_along(v: ir.Value, d: int) -> bool:

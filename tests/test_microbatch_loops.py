@@ -113,3 +113,24 @@ def test_a_loop_whose_microbatched_partner_is_elsewhere_is_not_split():
                                jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32))
   inline_calls(elsewhere)
   assert split_microbatch_loops(seq, elsewhere.main) == 0
+
+
+def test_a_branch_reading_the_batch_itself_is_not_split():
+  """lax.cond's branches read h without it being the cond's operand (an
+  audit's case: the split cut h under a branch mixing its rows)."""
+  mix = lambda h, w: jnp.tanh(h @ lax.cond(w[0, 0] > -100.0,
+                                           lambda: (h.T @ h)[:D, :D] / 4, lambda: w))
+  _, seq, dist = _modules(mix)
+  assert split_microbatch_loops(seq, dist.main) == 0
+
+
+@pytest.mark.parametrize("seq_rows, dist_rows", [(B, 0), (0, MICRO)])
+def test_empty_batches_are_not_split(seq_rows, dist_rows):
+  """An empty microbatch divided by zero, an empty batch made zero pieces
+  (an audit's crashes)."""
+  f = _layers(KEEPS_ROWS["mlp"])
+  ws = jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32)
+  seq = lower_sequential(f, jax.ShapeDtypeStruct((seq_rows, D), jnp.float32), ws)
+  dist = lower_sequential(lambda h, ws: [f(h, ws) for _ in range(B)][0],
+                          jax.ShapeDtypeStruct((dist_rows, D), jnp.float32), ws)
+  assert split_microbatch_loops(seq, dist.main) == 0
