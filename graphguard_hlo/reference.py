@@ -150,7 +150,7 @@ COMPARISONS = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_
                "GT": np.greater, "GE": np.greater_equal}
 
 
-def _ordered_as(x: np.ndarray, compare_type) -> np.ndarray:
+def ordered_as(x: np.ndarray, compare_type) -> np.ndarray:
   """``x`` as numbers that order the way ``compare_type`` compares it: an
   UNSIGNED compare of signed ints reads their bits unsigned (XLA checks
   ``0 <= i < n`` in one compare so), a SIGNED one of unsigned ints signed,
@@ -463,7 +463,7 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
   if name in BINARY:
     return BINARY[name](xs[0], xs[1])
   if name == "compare":
-    a, b = (_ordered_as(x, attrs.get("compare_type")) for x in xs)
+    a, b = (ordered_as(x, attrs.get("compare_type")) for x in xs)
     return COMPARISONS[attrs["comparison_direction"]](a, b)
   if name == "select":
     return np.where(xs[0].astype(bool), xs[1], xs[2])

@@ -28,11 +28,13 @@ needs the vectors (``_compare_covers``).  Anything else is not proved finite.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import numpy as np
 
 from graphguard_hlo import ir
+from graphguard_hlo.reference import ordered_as
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.nonfinite import Nonfinite
 from graphguard_hlo.passes.terms import splat_value
@@ -94,6 +96,9 @@ class FiniteRows:
       return self.is_finite(op.operands[0], depth + 1)
     if op.name == "reduce" and len(op.operands) == 2 and op.regions and \
         reducer_kind(op.regions[0]) == "max":
+      init = splat_value(op.operands[1])  # -inf or finite: never the max of a kept key
+      if init is None or math.isnan(init) or init == math.inf:
+        return False
       return self._row_max_is_finite(op.operands[0], set(op.attrs["dimensions"]))
     return False
 
@@ -123,9 +128,11 @@ class FiniteRows:
     direction = compare.attrs["comparison_direction"]
     if not when:
       direction = NEGATED[direction]
-    return self._compare_covers(direction, *compare.operands, set(reduced))
+    return self._compare_covers(direction, *compare.operands, set(reduced),
+                                compare.attrs.get("compare_type"))
 
-  def _compare_covers(self, direction: str, a: ir.Value, b: ir.Value, dims: set[int]) -> bool:
+  def _compare_covers(self, direction: str, a: ir.Value, b: ir.Value, dims: set[int],
+                      compare_type=None) -> bool:
     """Is ``a direction b`` (broadcasts of vectors) true somewhere along
     ``dims`` in every row, on every rank?  Needs one operand varying only off
     ``dims`` (the rows) and the other only along them (the keys)."""
@@ -137,7 +144,8 @@ class FiniteRows:
     rows, keys = self._per_rank(a0), self._per_rank(b0)
     if rows is None or keys is None:
       return False
-    return all(np.all(_some_column(direction, np.asarray(r), np.asarray(k)))
+    ordered = lambda x: ordered_as(np.asarray(x), compare_type)  # (an UNSIGNED compare)
+    return all(np.all(_some_column(direction, ordered(r), ordered(k)))
                for r, k in zip(rows, keys))
 
   def _per_rank(self, v: ir.Value) -> Optional[list]:
