@@ -205,6 +205,18 @@ def _may_overflow(value: float, dtype: str) -> bool:
 def why_max_may_be_infinite(m_new: ir.Value, budget: int = 256,
                             finite: Optional[FiniteRows] = None,
                             scores: bool = False) -> Optional[str]:
+  """(See ``_why_infinite``.)  The walk without ``finite`` first: it is
+  stricter, and where it finds nothing (a -1e9 mask) the rows' proofs, which
+  compute masks on every rank, are not needed."""
+  nonfinite = finite.nonfinite if finite is not None else Nonfinite()
+  why = _why_infinite(m_new, budget, None, scores, nonfinite)
+  if why is None or finite is None:
+    return why
+  return _why_infinite(m_new, budget, finite, scores, nonfinite)
+
+
+def _why_infinite(m_new: ir.Value, budget: int, finite: Optional[FiniteRows],
+                  scores: bool, nonfinite: Nonfinite) -> Optional[str]:
   """Why a row of ``m_new`` could be -inf (or +inf), in words; None if it
   cannot.  The walk follows the ops a mask reaches the max through, and
   answers where the scores are filled or biased with an infinite constant,
@@ -220,7 +232,6 @@ def why_max_may_be_infinite(m_new: ir.Value, budget: int = 256,
   failing closed on ops it does not know."""
   from graphguard_hlo.passes.terms import splat_value
   seen, work = set(), [(m_new, False, False)]
-  nonfinite = finite.nonfinite if finite is not None else Nonfinite()
   if scores:
     why = nonfinite.why(m_new)
     if why is not None:
