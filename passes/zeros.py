@@ -21,6 +21,10 @@ matches).  Read in real arithmetic, as ``lemmas.ZERO_PRESERVING`` is: ``0 * x
                                   (a product: either; a sum: both)
   collectives over X              patterns not naming X (every rank of a
                                   group shares those coordinates)
+  while                           a carry's patterns at its start that every
+                                  iteration keeps, given the carries' (a
+                                  stage's scanned backward on a bubble's zero
+                                  cotangent gives zeros)
 """
 
 from __future__ import annotations
@@ -32,10 +36,15 @@ from graphguard_hlo import ir
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.dist_egraph import DistEGraph
 from graphguard_hlo.passes.lemmas import ZERO_PRESERVING
+from graphguard_hlo.passes.terms import splat_value
 
 Pattern = frozenset  # of (axis, coordinate) pairs
 EVERYWHERE: frozenset = frozenset({Pattern()})
 NOWHERE: frozenset = frozenset()
+
+# Rounds of a loop's invariant search; a search that has not settled by then
+# knows nothing (each round only drops patterns, so it rarely takes more than two).
+MAX_LOOP_ROUNDS = 8
 
 # Collectives combining a group's values along ``gg.axes``.
 _GROUP_COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
@@ -75,13 +84,18 @@ class ZeroFacts:
     self.mesh = mesh
     self.rank_predicate = rank_predicate  # Transfer.rank_predicate
     self._facts: dict[int, frozenset] = {}
+    self._local: dict[int, frozenset] = {}  # value id -> facts, inside a loop's body
     for op in graph.ops:  # program order: operands before their users
-      if len(op.results) != 1:
+      if op.name == "while":
+        results = list(zip(op.results, self._loop(op)))
+      elif len(op.results) == 1:
+        results = [(op.results[0], self._of_op(op))]
+      else:
         continue
-      found = self._of_op(op)
-      if found:
-        cls = deg.of(op.results[0])
-        self._facts[cls] = _minimal(self._facts.get(cls, NOWHERE) | found)
+      for result, found in results:
+        if found:
+          cls = deg.of(result)
+          self._facts[cls] = _minimal(self._facts.get(cls, NOWHERE) | found)
 
   def of(self, cls: int) -> frozenset:
     cls = self.deg.find(cls)
@@ -91,8 +105,40 @@ class ZeroFacts:
     return found
 
   def _operand(self, op: ir.Op, i: int) -> frozenset:
-    v = op.operands[i]
-    return self.of(self.deg.of(v)) if v.id in self.deg.class_of else NOWHERE
+    return self._value(op.operands[i])
+
+  def _value(self, v: ir.Value) -> frozenset:
+    if v.id in self._local:
+      return self._local[v.id]
+    if v.id in self.deg.class_of:
+      return self.of(self.deg.of(v))
+    return EVERYWHERE if splat_value(v) == 0 else NOWHERE  # a loop body's own constant
+
+  def _loop(self, op: ir.Op) -> list[frozenset]:
+    """Each carry's facts after a while: those of its initial value that one
+    iteration keeps when every carry has its facts (an inductive invariant,
+    weakened until it is one).  Values inside the body hold them on every
+    iteration, so nested loops are read the same way."""
+    body = op.regions[1]
+    facts = [self._value(v) for v in op.operands]
+    outside = self._local
+    try:
+      for _ in range(MAX_LOOP_ROUNDS):
+        if not any(facts):
+          return facts
+        self._local = {**outside, **{p.id: f for p, f in zip(body.params, facts)}}
+        for inner in body.ops:
+          if inner.name == "while":
+            self._local.update((r.id, f) for r, f in zip(inner.results, self._loop(inner)))
+          elif len(inner.results) == 1 and (found := self._of_op(inner)):
+            self._local[inner.results[0].id] = found  # (else as _value reads it: a splat?)
+        kept = [intersect(f, self._value(r)) for f, r in zip(facts, body.results)]
+        if kept == facts:
+          return facts
+        facts = kept
+      return [NOWHERE] * len(facts)
+    finally:
+      self._local = outside
 
   def _of_op(self, op: ir.Op) -> frozenset:
     name = op.name

@@ -112,3 +112,50 @@ def test_zero_over_zero_is_no_zero():
   x, w = jnp.zeros((4, 8)), jnp.zeros((4, 8, 8))
   assert not outputs_agree(seq, dist, x, w)
   assert not verify(seq, dist, x, w).refines
+
+
+# A loop over the noise: its zeros at stage 1 survive where every iteration
+# keeps a zero carry zero (a stage's scanned backward on a bubble's zero
+# cotangent), and not where an iteration adds something, or swaps the zero
+# carry with one that is not zero.
+_KEEPS_ZEROS = {
+    "scaled_and_added": lambda c, d, x: (c * x + c, d),
+    "nonlinear_but_zero_preserving": lambda c, d, x: (jnp.tanh(c) * x, d),
+    "inner_loop": lambda c, d, x: (lax.fori_loop(0, 2, lambda j, e: e * x, c), d),
+}
+_LOSES_ZEROS = {
+    "constant_added": lambda c, d, x: (c + 1.0, d),
+    "input_added": lambda c, d, x: (c * x + x, d),
+    "swapped_with_a_nonzero_carry": lambda c, d, x: (d, c),
+}
+
+
+def _staged_loop(body):
+  """``_staged`` with the noise (zero at stage 1 after its send) and x * 5
+  carried through three iterations of ``body(noise, other, x)``."""
+  def local(x):
+    stage = lax.axis_index("pp")
+    h = lax.ppermute(jnp.where(stage == 0, jnp.tanh(x), 0.0), "pp", _ring())
+    noise = lax.ppermute(jnp.where(stage == 0, 0.0, x * 5), "pp", _ring())
+    other = jnp.where(stage >= 0, x * 5, 0.0)  # (varying over pp, as the noise)
+    noise, _ = lax.fori_loop(0, 3, lambda i, cd: body(*cd, x), (noise, other))
+    return lax.psum(jnp.where(stage == 1, (h + noise) * 3, 0.0), "pp")
+  return shard_map(local, mesh=MESH, in_specs=P(), out_specs=P())
+
+
+@pytest.mark.parametrize("name", sorted(_KEEPS_ZEROS))
+def test_zeros_through_a_loop_that_keeps_them(name):
+  dist = _staged_loop(_KEEPS_ZEROS[name])
+  assert outputs_agree(_seq, dist, X + 0.5)
+  seq_module = lower_sequential(_seq, X)
+  result, check = verify_and_check(
+      seq_module, lower_distributed(dist, *_abstract_args((X,), MESH, (P(),))))
+  assert result.refines, result
+  assert check.ok and check.zeros_checked >= 3, check
+
+
+@pytest.mark.parametrize("name", sorted(_LOSES_ZEROS))
+def test_zeros_through_a_loop_that_loses_them_are_not_assumed(name):
+  dist = _staged_loop(_LOSES_ZEROS[name])
+  assert not outputs_agree(_seq, dist, X + 0.5)
+  assert not verify(_seq, dist, X).refines
