@@ -20,6 +20,15 @@ transposes that keep the dim whole, dots and reductions that neither contract
 nor reduce it, slices that take all of it.  Values that do not depend on the
 batch (weights, the counter) never read a value that does; a value the same
 along the batch (a broadcast bias) meeting one that is not is cut alike.
+
+The loop autodiff writes for such a scan (its transpose) also sums each
+layer's weight gradient over the rows (``dW = h^T dy``): a carry starting at
+zero whose body adds to it only sums over the batch's rows and values linear
+in such sums (``_ADDITIVE``), scaled by values the same in every piece
+(``_SCALED``), is the sum of the pieces' carries::
+
+    dW = while(.., 0)          ->  dW = dW_0 + .. + dW_{B/b - 1}
+
 Other carries are the same in every piece: the first piece's stand for them.
 Sequential program only; the split is chosen by the per-device loops at the
 same source line whose carries are the batch's microbatches, at least one
@@ -35,6 +44,7 @@ import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.canonicalize import _fresh
+from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.lemmas import ELEMENTWISE
 from graphguard_hlo.passes.loop_edits import clone_region, replace_uses
 from graphguard_hlo.passes.terms import splat_value
@@ -60,8 +70,10 @@ def split_microbatch_loops(module: ir.Module, dist: ir.Graph) -> int:
       dims, pieces = cut
       if sum(1 for p in here if _microbatch_cut(loop, p) == cut) < pieces:
         continue  # one loop on a rank's tile (data parallel), not one per microbatch
-      batch = _BatchDims.of(loop.regions[1], dims)
-      if batch is None or _condition_reads(loop.regions[0], dims):
+      zeros = {j for j, v in enumerate(loop.operands)
+               if j not in dims and v.type.dtype not in ("pred", "i1") and _is_zero(v)}
+      batch = _BatchDims.of(loop.regions[1], dims, zeros)
+      if batch is None or _condition_reads(loop.regions[0], set(dims) | batch.summed_carries):
         continue
       _split(module, graph, loop, dims, pieces, batch)
       split += 1
@@ -91,41 +103,125 @@ def _microbatch_cut(loop: ir.Op, partner: ir.Op) -> Optional[tuple[dict[int, int
   return dims, pieces.pop()
 
 
-def _condition_reads(cond: ir.Graph, dims: dict[int, int]) -> bool:
+def _condition_reads(cond: ir.Graph, carries: set[int]) -> bool:
   read = {v.id for op in cond.walk() for v in op.operands} | {v.id for v in cond.results}
-  return any(cond.params[j].id in read for j in dims)
+  return any(cond.params[j].id in read for j in carries)
+
+
+def _is_zero(v: ir.Value) -> bool:
+  """A zero splat: the sum of as many zeros as there are pieces."""
+  return splat_value(v) == 0
+
+
+# Ops linear in their operands at these positions (None: all), the rest read
+# as the same in every piece: each such operand a sum over the pieces or zero
+# makes the result one.  ``dynamic_update_slice`` writes a summed row into a
+# summed buffer (the scan's stacked weight gradients); ``pad`` pads with zero.
+_ADDITIVE: dict[str, Optional[tuple[int, ...]]] = {
+    "add": None, "subtract": None, "negate": None, "concatenate": None,
+    "reshape": (0,), "transpose": (0,), "broadcast_in_dim": (0,), "slice": (0,),
+    "reverse": (0,), "copy": (0,), "dynamic_slice": (0,), "pad": (0,),
+    "dynamic_update_slice": (0, 1), "select": (1, 2), "reduce": (0,),
+}
+# Ops linear in one operand at these positions, the other a factor the same in
+# every piece (a weight, a scale): exactly one of them is a sum.
+_SCALED: dict[str, tuple[int, ...]] = {"multiply": (0, 1), "dot_general": (0, 1),
+                                       "divide": (0,)}
+
+
+def _linear_in_sums(op: ir.Op, summed: list[bool]) -> bool:
+  """Is ``op``'s result a sum over the pieces when its ``summed`` operands
+  are (the others the same in every piece)?"""
+  name = op.name
+  if name == "convert":  # a float's precision, not its value, in real arithmetic
+    return _is_float(op.operands[0]) and _is_float(op.results[0])
+  if name in _SCALED:
+    return sum(summed[k] for k in _SCALED[name]) == 1 and \
+        not any(s for k, s in enumerate(summed) if k not in _SCALED[name])
+  if name not in _ADDITIVE:
+    return False
+  linear = _ADDITIVE[name]
+  linear = range(len(op.operands)) if linear is None else linear
+  if name == "pad" and not _is_zero(op.operands[1]):
+    return False
+  if name == "reduce" and (len(op.operands) != 2 or reducer_kind(op.regions[0]) != "sum"
+                           or not _is_zero(op.operands[1])):
+    return False
+  return all(summed[k] or _is_zero(op.operands[k]) for k in linear) and \
+      not any(s for k, s in enumerate(summed) if k not in linear)
+
+
+def _is_float(v: ir.Value) -> bool:
+  return v.type.dtype.startswith(("f", "bf"))  # f16, f32, bf16, f8E4M3FN, ...
 
 
 class _BatchDims:
   """Where the batch dim is in each value of a loop body, if every op
-  carries it through whole and never combines rows (see the module doc)."""
+  carries it through whole and never combines rows, and which values are
+  sums over the rows (see the module doc)."""
 
   def __init__(self, extent: int):
     self.extent = extent                     # the batch's size, in every value
     self.dim: dict[int, int] = {}           # value id -> its batch dim
+    self.summed: set[int] = set()           # value ids: sums over the pieces
+    self.summed_carries: set[int] = set()   # carries that are, starting at zero
+    self.zero_carries: dict[int, int] = {}  # param id -> carry, starting at zero
+    self.wanted: set[int] = set()           # zero carries an op would add a sum to
     self.cut_operands: list[tuple[int, int, int]] = []  # (op index, operand, dim)
 
   @classmethod
-  def of(cls, body: ir.Graph, dims: dict[int, int]) -> Optional["_BatchDims"]:
+  def of(cls, body: ir.Graph, dims: dict[int, int],
+         zeros: set[int]) -> Optional["_BatchDims"]:
+    """``zeros``: the carries that start at zero, which may carry sums."""
     extents = {body.params[j].shape[d] for j, d in dims.items()}
     if len(extents) != 1:
       return None
-    found = cls(extents.pop())
-    found.dim = {body.params[j].id: d for j, d in dims.items()}
-    for at, op in enumerate(body.ops):
-      if not found._through(at, op):
-        return None
+    extent, summed = extents.pop(), set()
+    while True:  # grown by the zero carries that take a sum
+      found = cls(extent)
+      found.dim = {body.params[j].id: d for j, d in dims.items()}
+      found.summed = {body.params[j].id for j in summed}
+      found.zero_carries = {body.params[j].id: j for j in zeros - summed}
+      through = all(found._through(at, op) for at, op in enumerate(body.ops))
+      more = found.wanted if not through else \
+          {j for j, r in enumerate(body.results) if j not in dims and r.id in found.summed}
+      if not more - summed:
+        break
+      if not more <= zeros:
+        return None  # a sum carried from a nonzero start counts it once a piece
+      summed |= more
+    if not through:
+      return None
     for j, r in enumerate(body.results):
-      if found.dim.get(r.id) != dims.get(j):
+      if j in summed:
+        ok = r.id in found.summed or _is_zero(r)
+      else:
+        ok = found.dim.get(r.id) == dims.get(j) and r.id not in found.summed
+      if not ok:
         return None  # a batch carry comes back cut elsewhere, or a weight reads the batch
+    found.summed_carries = summed
     return found
 
   def _through(self, at: int, op: ir.Op) -> bool:
-    ins = [self.dim.get(v.id) for v in op.operands]
-    if any(v.id in self.dim for region in op.regions for v in _reads(region)):
+    if any(v.id in self.dim or v.id in self.summed
+           for region in op.regions for v in _reads(region)):
       return False  # a region reading a batch value itself (a cond's branch capturing h)
+    ins = [self.dim.get(v.id) for v in op.operands]
+    sums = [v.id in self.summed for v in op.operands]
+    if any(sums):  # a sum over the rows meeting one row would count it once a piece
+      if any(d is not None for d in ins):
+        return False
+      if _linear_in_sums(op, sums):
+        return self._sum(op)
+      for k, v in enumerate(op.operands):  # a zero-start buffer a sum is written into
+        if v.id in self.zero_carries and \
+            _linear_in_sums(op, [s or i == k for i, s in enumerate(sums)]):
+          self.wanted.add(self.zero_carries[v.id])
+      return False
     if all(d is None for d in ins):
       return True  # reads no batch value
+    if self._sums_rows(op, ins):
+      return self._sum(op)
     if op.regions and op.name != "reduce":
       return False
     out = self._result_dim(at, op, ins)
@@ -134,6 +230,23 @@ class _BatchDims:
       return False  # (a rule's answer checked against the shapes)
     self.dim[op.results[0].id] = out
     return len(op.results) == 1
+
+  def _sum(self, op: ir.Op) -> bool:
+    self.summed.add(op.results[0].id)
+    return len(op.results) == 1
+
+  @staticmethod
+  def _sums_rows(op: ir.Op, ins: list) -> bool:
+    """Does ``op`` sum over the batch's rows: a dot contracting the batch
+    dims of both operands with each other, or a sum reducing it?"""
+    if op.name == "dot_general":
+      at, (lhs, rhs) = op.attrs, ins
+      lc, rc = list(at["lhs_contract"]), list(at["rhs_contract"])
+      return lhs in lc and rhs in rc and lc.index(lhs) == rc.index(rhs)
+    if op.name == "reduce" and len(op.operands) == 2 and ins[1] is None:
+      return (ins[0] in op.attrs["dimensions"] and reducer_kind(op.regions[0]) == "sum"
+              and _is_zero(op.operands[1]))
+    return False
 
   def _result_dim(self, at: int, op: ir.Op, ins: list) -> Optional[int]:
     name, result = op.name, op.results[0]
@@ -280,6 +393,18 @@ def _piece_body(module: ir.Module, body: ir.Graph, batch: _BatchDims,
   return out
 
 
+def _piece_of_concatenation(whole: ir.Value, d: int, pieces: int,
+                             m: int) -> Optional[ir.Value]:
+  """Piece ``m`` of ``whole`` cut along ``d``, if ``whole`` concatenates
+  ``pieces`` equal pieces along it (rather than a slice of that)."""
+  op = whole.producer
+  if op is None or op.name != "concatenate" or op.attrs["dimension"] != d or \
+      len(op.operands) != pieces:
+    return None
+  return op.operands[m] if all(v.shape[d] * pieces == whole.shape[d]
+                               for v in op.operands) else None
+
+
 def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int],
            pieces: int, batch: _BatchDims) -> None:
   """``loop`` replaced by ``pieces`` loops, one a microbatch; the slices
@@ -290,10 +415,15 @@ def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int]
   new_ops: list[ir.Op] = []
   cond, body = loop.regions
   firsts, cut_results = None, {j: [] for j in dims}
+  piece_results: list[list[ir.Value]] = []
   for m in range(pieces):
     operands = list(loop.operands)
     for j, d in dims.items():
       whole = loop.operands[j]
+      piece = _piece_of_concatenation(whole, d, pieces, m)
+      if piece is not None:  # a loop split before feeds this one (the forward, its transpose)
+        operands[j] = piece
+        continue
       size = whole.shape[d] // pieces
       starts = [0] * whole.type.rank
       limits = list(whole.shape)
@@ -316,6 +446,7 @@ def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int]
     piece.results = [module.new_value(v.type, piece, r) for r, v in enumerate(operands)]
     new_ops.append(piece)
     firsts = firsts or piece.results
+    piece_results.append(piece.results)
     for j in dims:
       cut_results[j].append(piece.results[j])
   results = list(firsts)
@@ -324,5 +455,12 @@ def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int]
     new_ops.append(_fresh(module, "concatenate", cut_results[j], {"dimension": d},
                           whole.shape, whole.type.dtype, loop.location))
     results[j] = new_ops[-1].results[0]
+  for j in sorted(batch.summed_carries):
+    total = piece_results[0][j]
+    for later in piece_results[1:]:
+      new_ops.append(_fresh(module, "add", [total, later[j]], {}, total.shape,
+                            total.type.dtype, loop.location))
+      total = new_ops[-1].results[0]
+    results[j] = total
   graph.ops[at:at + 1] = new_ops
   replace_uses(graph, {r.id: c for r, c in zip(loop.results, results)})

@@ -134,3 +134,119 @@ def test_empty_batches_are_not_split(seq_rows, dist_rows):
   dist = lower_sequential(lambda h, ws: [f(h, ws) for _ in range(B)][0],
                           jax.ShapeDtypeStruct((dist_rows, D), jnp.float32), ws)
   assert split_microbatch_loops(seq, dist.main) == 0
+
+
+# A carry summing over the rows (a weight's gradient, dW += h^T dy): the
+# pieces' carries, each from zero, add up to the sequential one -- where it
+# starts at zero and only sums, scaled by what every piece shares, reach it.
+SUMS_ROWS = {
+    "gradient_like": lambda h, acc, w: (jnp.tanh(h @ w), acc + h.T @ jnp.tanh(h @ w)),
+    "scaled_and_transposed": lambda h, acc, w: (h @ w, acc - (w * 2.0) @ (h.T @ h).T),
+    "row_sums": lambda h, acc, w: (h @ w, acc + jnp.sum(h, axis=0)[:, None] * w),
+    "last_sum_kept": lambda h, acc, w: (h @ w, h.T @ h),
+}
+SUMS_WRONGLY = {
+    "squared_sum": lambda h, acc, w: (h @ w, acc + (h.T @ h) * (h.T @ h)),
+    "sum_plus_a_weight": lambda h, acc, w: (h @ w, acc + h.T @ h + w),
+    "max_over_rows": lambda h, acc, w: (h @ w, acc + jnp.max(h, axis=0)[:, None] * w),
+    "sum_fed_back_to_rows": lambda h, acc, w: (h @ w + acc[0], acc + h.T @ h),
+    "sum_as_a_divisor": lambda h, acc, w: (h @ w, acc + w / (h.T @ h)),
+    "max_from_zero_over_rows": lambda h, acc, w: (
+        h @ w, acc + lax.reduce(h, 0.0, lax.max, (0,))[:, None] * w),
+    "sum_scaling_rows": lambda h, acc, w: (h @ w, acc + h.T @ (h * acc[0, 0])),
+    # (acc, acc2): a row of a sum written into acc, which then restarts at ones
+    "sum_carry_reset_to_ones": lambda h, acc, w: (h @ w, (
+        jnp.ones_like(acc[0]),
+        acc[1] + lax.dynamic_update_slice(acc[0], jnp.sum(h, axis=0)[None], (0, 0)))),
+}
+_TWO_ACCUMULATORS = {"sum_carry_reset_to_ones"}
+
+
+def _accumulating(step, start):
+  def run(h, ws):  # one source line: every batch size's loop shares it
+    return lax.scan(lambda c, w: (step(*c, w), None), (h, start(h.dtype)), ws)[0]
+  return run
+
+
+def _zeros(dtype):
+  return jnp.zeros((D, D), dtype)
+
+
+def _accumulating_modules(step, start=_zeros):
+  f = _accumulating(step, start)
+
+  def per_microbatch(h, ws):
+    outs = [f(h[m * MICRO:(m + 1) * MICRO], ws) for m in range(B // MICRO)]
+    return jnp.concatenate([o[0] for o in outs]), jax.tree.map(lambda *a: sum(a),
+                                                               *[o[1] for o in outs])
+  args = (jax.ShapeDtypeStruct((B, D), jnp.float32),
+          jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32))
+  seq, dist = lower_sequential(f, *args), lower_sequential(per_microbatch, *args)
+  for m in (seq, dist):
+    inline_calls(m)
+    canonicalize_module(m)
+  return f, seq, dist
+
+
+def _run_all(module, *args):
+  env = Interpreter(1).run(module.main, [[a] for a in args])
+  return [np.asarray(env[r.id][0]) for r in module.main.results]
+
+
+def _inputs():
+  rng = np.random.default_rng(0)
+  return (rng.standard_normal((B, D)).astype(np.float32),
+          (rng.standard_normal((LAYERS, D, D)) / 3).astype(np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(SUMS_ROWS))
+def test_a_carry_summing_over_rows_is_the_sum_of_the_pieces(name):
+  f, seq, dist = _accumulating_modules(SUMS_ROWS[name])
+  assert split_microbatch_loops(seq, dist.main) == 1
+  assert sum(op.name == "while" for op in seq.main.ops) == B // MICRO
+  h, ws = _inputs()
+  for got, want in zip(_run_all(seq, h, ws), jax.jit(f)(h, ws)):
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(SUMS_WRONGLY))
+def test_a_carry_using_a_sum_over_rows_otherwise_is_not_split(name):
+  start = (lambda t: (_zeros(t), _zeros(t))) if name in _TWO_ACCUMULATORS else _zeros
+  _, seq, dist = _accumulating_modules(SUMS_WRONGLY[name], start)
+  assert split_microbatch_loops(seq, dist.main) == 0
+
+
+def test_a_sum_carried_from_a_nonzero_start_is_not_split():
+  """Each piece would add the start once: B / b times in all."""
+  _, seq, dist = _accumulating_modules(SUMS_ROWS["gradient_like"],
+                                         start=lambda t: jnp.ones((D, D), t))
+  assert split_microbatch_loops(seq, dist.main) == 0
+
+
+def test_a_scanned_training_step_is_split_forward_and_backward():
+  """jax.grad of the scan: the forward loop saves rows, its transpose reads
+  them back and sums each layer's weight gradient over the rows.  Both are
+  split; the backward pieces read the forward pieces' saved rows directly."""
+  f = _layers(KEEPS_ROWS["mlp"])
+  loss = lambda h, ws: jnp.sum(f(h, ws) ** 2)
+  seq_fn = jax.grad(loss, argnums=(0, 1))
+
+  def dist_fn(h, ws):
+    grads = [jax.grad(loss, argnums=(0, 1))(h[m * MICRO:(m + 1) * MICRO], ws)
+             for m in range(B // MICRO)]
+    return jnp.concatenate([g[0] for g in grads]), sum(g[1] for g in grads)
+  args = (jax.ShapeDtypeStruct((B, D), jnp.float32),
+          jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32))
+  seq, dist = lower_sequential(seq_fn, *args), lower_sequential(dist_fn, *args)
+  for m in (seq, dist):
+    inline_calls(m)
+    canonicalize_module(m)
+  assert split_microbatch_loops(seq, dist.main) == 2
+  loops = [op for op in seq.main.ops if op.name == "while"]
+  assert len(loops) == 2 * (B // MICRO)
+  backward = [op for op in loops if len(op.operands) == len(loops[-1].operands)][-B // MICRO:]
+  produced = {id(r) for op in loops for r in op.results}
+  assert all(any(id(v) in produced for v in op.operands) for op in backward)
+  h, ws = _inputs()
+  for got, want in zip(_run_all(seq, h, ws), jax.jit(seq_fn)(h, ws)):
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-4)
