@@ -1869,10 +1869,20 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                  "microbatch_skipped", first_op))
     if grad:
       built.extend(trained_and_double_counted(model, GPIPE, doubled_at))
-  # Each stage scanning its layers: forward proved, each microbatch's loop by
-  # one inductive step; stage 0 fed the microbatch of the step before.
+  # Each stage scanning its layers: each microbatch's loop proved by one
+  # inductive step, and in training its transpose too (each layer's weight
+  # gradient the sum of the microbatches', microbatch_loops.py; a bubble's
+  # zero cotangent zero after the stage's loop, zeros.py); stage 0 fed the
+  # microbatch of the step before; the cotangents |pp| times too large, met
+  # where the backward loop writes a weight's gradient row.
   for model, first_op, _ in gpipe_bug_ops:
     built.append(_shard_map_case(model, GPIPE_SCAN, cfg, "ok", GPIPE_SCAN.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, GPIPE_SCAN, cfg))
+  if grad:
+    built.append(_shard_map_grad_case("gpt2", GPIPE_SCAN, cfg, "double_counted_grad",
+                                      check_vma=False, bug="double_counted_grad",
+                                      bug_primitive="dynamic_update_slice"))
   built.append(_shard_map_case("gpt2", GPIPE_SCAN, cfg, "microbatch_fed_late",
                                Parallel(run_stack=_gpipe_stages("pp", 4, inject_late=1,
                                                                 scan=True)),
@@ -2333,7 +2343,8 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     for model in MODELS:
       # (dp x tp's stacked gradients start as many zero buffers: each one's
       # candidate invariants outnumber what a value otherwise keeps; loops.py)
-      for strategy in (_STRATEGIES["tp"], _STRATEGIES["sp"], _STRATEGIES["dp_tp"],
+      for strategy in (_STRATEGIES["dp"], _STRATEGIES["tp"], _STRATEGIES["tp_vocab"],
+                       _STRATEGIES["sp"], _STRATEGIES["cp"], _STRATEGIES["dp_tp"],
                        _STRATEGIES["dp_tp_cp"], DP_SP):
         built.append(_grad_case(model, _scanned(strategy), cfg))
       built.append(_grad_case(model, _scanned(_STRATEGIES["tp"]), cfg, remat="nothing"))
