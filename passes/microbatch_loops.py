@@ -133,8 +133,12 @@ def _linear_in_sums(op: ir.Op, summed: list[bool]) -> bool:
   """Is ``op``'s result a sum over the pieces when its ``summed`` operands
   are (the others the same in every piece)?"""
   name = op.name
-  if name == "convert":  # a float's precision, not its value, in real arithmetic
-    return _is_float(op.operands[0]) and _is_float(op.results[0])
+  if name == "convert":  # a float's precision, not its value, in real arithmetic; but
+    # a narrower type may overflow on one piece's sum where the whole's is finite
+    to = op.results[0].type.dtype
+    return _is_float(op.operands[0]) and to in (op.operands[0].type.dtype, "f32", "f64")
+  if name == "divide" and not _is_float(op.results[0]):
+    return False  # integer division rounds each piece's quotient: (a + b) / 3 != a / 3 + b / 3
   if name in _SCALED:
     return sum(summed[k] for k in _SCALED[name]) == 1 and \
         not any(s for k, s in enumerate(summed) if k not in _SCALED[name])

@@ -172,15 +172,14 @@ def _zeros(dtype):
   return jnp.zeros((D, D), dtype)
 
 
-def _accumulating_modules(step, start=_zeros):
+def _accumulating_modules(step, start=_zeros, dtype=jnp.float32):
   f = _accumulating(step, start)
 
   def per_microbatch(h, ws):
     outs = [f(h[m * MICRO:(m + 1) * MICRO], ws) for m in range(B // MICRO)]
     return jnp.concatenate([o[0] for o in outs]), jax.tree.map(lambda *a: sum(a),
                                                                *[o[1] for o in outs])
-  args = (jax.ShapeDtypeStruct((B, D), jnp.float32),
-          jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32))
+  args = (jax.ShapeDtypeStruct((B, D), dtype), jax.ShapeDtypeStruct((LAYERS, D, D), dtype))
   seq, dist = lower_sequential(f, *args), lower_sequential(per_microbatch, *args)
   for m in (seq, dist):
     inline_calls(m)
@@ -213,6 +212,17 @@ def test_a_carry_summing_over_rows_is_the_sum_of_the_pieces(name):
 def test_a_carry_using_a_sum_over_rows_otherwise_is_not_split(name):
   start = (lambda t: (_zeros(t), _zeros(t))) if name in _TWO_ACCUMULATORS else _zeros
   _, seq, dist = _accumulating_modules(SUMS_WRONGLY[name], start)
+  assert split_microbatch_loops(seq, dist.main) == 0
+
+
+@pytest.mark.parametrize("step, dtype", [
+    (lambda h, acc, w: (h @ w, acc + lax.div(h.T @ h, jnp.int32(3))), jnp.int32),
+    (lambda h, acc, w: (h @ w, acc + (h.T @ h).astype(jnp.float16).astype(jnp.float32)),
+     jnp.float32)], ids=["integer_quotient", "narrowed_to_f16"])
+def test_a_sum_rounded_or_narrowed_per_piece_is_not_split(step, dtype):
+  """An audit's false proofs: integer division rounds each piece's quotient,
+  and one piece's sum may overflow f16 where the whole batch's does not."""
+  _, seq, dist = _accumulating_modules(step, dtype=dtype)
   assert split_microbatch_loops(seq, dist.main) == 0
 
 
