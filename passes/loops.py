@@ -38,7 +38,7 @@ MAX_HOUDINI_ROUNDS = 8
 
 def prove_loop(inf, op: ir.Op) -> Iterator[tuple[ir.Value, object]]:
   from graphguard_hlo.passes.inference import Relation
-  failures, unmatched = [], []
+  failures, unmatched, partners = [], [], 0
   for candidate in _dist_loops(inf):
     hypotheses = _candidate_matches(inf, op, candidate)
     if isinstance(hypotheses, int):
@@ -47,25 +47,35 @@ def prove_loop(inf, op: ir.Op) -> Iterator[tuple[ir.Value, object]]:
     proved, failure = _inductive_invariant(inf, op, candidate, hypotheses)
     if failure is None:
       inf.loop_failure = None
+      partners += 1
       for m in proved:
         yield op.results[m.seq_index], Relation(
             inf.deg.of(candidate.results[m.dist_index]), m.layout, "loop-induction")
-      return
+      continue  # (every partner: a bubble's loop on clamped rows may come first)
     failures.append(failure)
+  if partners:
+    return
   if failures:
     inf.loop_failure = failures[0]
   elif unmatched:
-    inf.loop_failure = _unmatched_carry(inf, op, *max(unmatched, key=lambda u: u[0]))
+    # The candidate with as many carries that matched the most (one with fewer
+    # carries fails past its last, which says nothing of the carry there).
+    inf.loop_failure = _unmatched_carry(inf, op, *max(
+        unmatched, key=lambda u: (len(u[1].operands) == len(op.operands), u[0])))
 
 
 def _unmatched_carry(inf, op: ir.Op, k: int, loop: ir.Op):
   from graphguard_hlo.passes.inference import Failure
   s = op.operands[k]
   known = inf.describe(s)
+  piece = getattr(inf.seq, "microbatch_pieces", {}).get(id(op))
   return Failure("while", op.location, [(f"carry {k}: {s.type}", known)],
                  f"loop carry {k} ({s.type}) starts from a value related to none of the "
                  f"initial values of the per-device loop at {loop.location}"
-                 + ("" if known else " (its initial value has no relation at all)"))
+                 + ("" if known else " (its initial value has no relation at all)")
+                 + (f"; this loop runs on {piece}, and no per-device loop there starts "
+                    f"from its rows (a microbatch skipped, or a stage's saved input read "
+                    f"at another step?)" if piece else ""))
 
 
 def _dist_loops(inf) -> list[ir.Op]:

@@ -412,9 +412,11 @@ def _piece_of_concatenation(whole: ir.Value, d: int, pieces: int,
 def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int],
            pieces: int, batch: _BatchDims) -> None:
   """``loop`` replaced by ``pieces`` loops, one a microbatch; the slices
-  cutting them are named in ``graph.microbatch_slices`` (for a report)."""
+  cutting them and the loops are named in ``graph.microbatch_slices`` and
+  ``graph.microbatch_pieces`` (for a report)."""
   if not hasattr(graph, "microbatch_slices"):
     graph.microbatch_slices = {}  # type: ignore[attr-defined]
+    graph.microbatch_pieces = {}  # type: ignore[attr-defined]
   at = graph.ops.index(loop)
   new_ops: list[ir.Op] = []
   cond, body = loop.regions
@@ -449,6 +451,9 @@ def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int]
                   [piece_cond, _piece_body(module, body, batch, pieces)], loop.location)
     piece.results = [module.new_value(v.type, piece, r) for r, v in enumerate(operands)]
     new_ops.append(piece)
+    graph.microbatch_pieces[id(piece)] = (  # type: ignore[attr-defined]
+        f"microbatch {m} of the {pieces} the sequential loop at {loop.location} runs on "
+        f"(microbatch_loops.py)")
     firsts = firsts or piece.results
     piece_results.append(piece.results)
     for j in dims:
