@@ -521,6 +521,10 @@ class RelationInference:
     if op.name == "concatenate" and not self.whole_relations(op.results[0]):
       for cls, layout in stage_joins(self, op):
         self.add_relation(op.results[0], Relation(cls, layout, "stages-joined"))
+      if not self.whole_relations(op.results[0]):
+        self.pieces.concatenated(op)
+    if op.name == "slice" and self.pieces.has(op.operands[0]):
+      self.pieces.taken(op)
     if len(op.results) == 1 and not self.whole_relations(op.results[0]):
       self.pieces.apply(op)
     if len(op.results) == 1 and not self.whole_relations(op.results[0]) \

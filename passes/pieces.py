@@ -27,7 +27,12 @@ rows partition dim ``d``.  So:
 * the device concatenating the pieces along ``d``, in order, under a layout
   tiling ``d`` over ``A`` again, holds its tile of ``S``.
 
-Anything else reading a split (a slice, a gather, a scan) is not proved.
+The sequential program may concatenate pieces itself (a loop split per
+microbatch, ``microbatch_loops.py``): a concatenation of related values no
+per-device op puts together is a split of them, tiled over no axis
+(``concatenated``); and a slice taking exactly one piece of such a split is
+that piece (``taken``).  Anything else reading a split (another slice, a
+gather, a scan) is not proved.
 """
 
 from __future__ import annotations
@@ -199,6 +204,37 @@ class Pieces:
         terms.append(term)
       self.splits[s.id] = Split(d, tuple(axes), tuple(b - a for a, b in bounds), tuple(terms))
       return
+
+  def concatenated(self, op: ir.Op) -> None:
+    """A sequential concatenation of values each related whole: its operands
+    are its pieces along the dim, tiled over no axis."""
+    inf = self.inf
+    if op.results[0].id in self.splits or len(op.operands) < 2 or \
+        not all(inf.whole_relations(v) for v in op.operands):
+      return
+    d = op.attrs["dimension"]
+    self.splits[op.results[0].id] = Split(d, (), tuple(v.shape[d] for v in op.operands),
+                                          tuple(op.operands))
+
+  def taken(self, op: ir.Op) -> None:
+    """A static slice of a split tiled over no axis, taking exactly the rows
+    of one piece along the split dim and all of every other dim: that piece."""
+    from graphguard_hlo.passes.inference import Relation
+    split = self.splits.get(op.operands[0].id)
+    if split is None or split.axes or op.name != "slice":
+      return
+    start, limit = op.attrs["start_indices"], op.attrs["limit_indices"]
+    strides = op.attrs.get("strides") or (1,) * len(start)
+    shape = op.operands[0].shape
+    if any(x != 1 for x in strides) or any(
+        (start[k], limit[k]) != (0, shape[k]) for k in range(len(shape)) if k != split.dim):
+      return
+    bounds = [sum(split.sizes[:m]) for m in range(len(split.sizes) + 1)]
+    if (start[split.dim], limit[split.dim]) not in zip(bounds, bounds[1:]):
+      return
+    piece = split.terms[bounds.index(start[split.dim])]
+    for r in self.inf.whole_relations(piece):
+      self.inf.add_relation(op.results[0], Relation(r.cls, r.layout, "piece-taken"))
 
   # -- row by row ---------------------------------------------------------------
   def apply(self, op: ir.Op) -> None:

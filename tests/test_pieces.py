@@ -153,3 +153,60 @@ def test_a_reduce_over_pieces_combines_as_its_reducer(reduce, combine, proved):
   x, w = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(2))
   assert np.allclose(jax.jit(dist)(x, w), seq(x, w), atol=1e-5) == proved
   assert verify(seq, dist, jnp.zeros((8, 8)), jnp.zeros((8, 8))).refines == proved
+
+
+# The sequential program concatenating pieces itself (a loop split per
+# microbatch): its operands are the pieces, tiled over no axis; a slice of
+# exactly one piece is that piece.  Every rank holds all of x here.
+def _halves_seq(read):
+  """Both halves of x through the layer, concatenated, and ``read`` of that."""
+  return lambda x, w: read(jnp.concatenate([_layer(x[:8], w), _layer(x[8:], w)]))
+
+
+def _halves_dist(read_halves):
+  return shard_map(lambda x, w: read_halves(_layer(x[:8], w), _layer(x[8:], w)), mesh=MESH,
+                   in_specs=(P(), P()), out_specs=P())  # (P() for each output)
+
+
+_JOINED = {  # read of the concatenation (sequential) and of its halves (per device)
+    "rowwise_then_joined": (lambda h: jnp.sin(h) * 2,
+                            lambda a, b: jnp.concatenate([jnp.sin(a) * 2, jnp.sin(b) * 2])),
+    "summed_over_rows": (lambda h: jnp.sum(jnp.tanh(h), 0, keepdims=True),
+                         lambda a, b: jnp.sum(jnp.tanh(a), 0, keepdims=True)
+                         + jnp.sum(jnp.tanh(b), 0, keepdims=True)),
+    "halves_taken": (lambda h: jnp.sin(h)[8:] * 3 + jnp.sin(h)[:8],
+                     lambda a, b: jnp.sin(b) * 3 + jnp.sin(a)),
+}
+_JOINED_WRONGLY = {
+    "one_half_summed_twice": lambda a, b: 2 * jnp.sum(jnp.tanh(a), 0, keepdims=True),
+    "halves_swapped": lambda a, b: jnp.sin(a) * 3 + jnp.sin(b),
+    # (rows 4:12 sequentially: one half taken instead; both halves' sines computed)
+    "rows_straddling_the_halves": lambda a, b: (jnp.sin(a) * 3 + a, jnp.sin(b)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_JOINED))
+def test_a_sequential_concatenation_of_pieces_is_read_piece_by_piece(name):
+  read, read_halves = _JOINED[name]
+  seq, dist = _halves_seq(read), _halves_dist(read_halves)
+  assert _agree(seq, dist)
+  result, check = verify_and_check(lower_sequential(seq, X, W),
+                                   lower_distributed(dist, *_abstract(X, W)))
+  assert result.refines, result
+  assert check.ok, check
+
+
+@pytest.mark.parametrize("name", sorted(_JOINED_WRONGLY))
+def test_a_sequential_concatenation_of_pieces_read_otherwise_is_not_proved(name):
+  read = {"one_half_summed_twice": _JOINED["summed_over_rows"][0],
+          "halves_swapped": _JOINED["halves_taken"][0],
+          "rows_straddling_the_halves": lambda h: (jnp.sin(h)[4:12] * 3 + h[:8],
+                                                   jnp.sin(h)[8:])}[name]
+  seq, dist = _halves_seq(read), _halves_dist(_JOINED_WRONGLY[name])
+  assert not _agree(seq, dist)
+  assert not verify(seq, dist, X, W).refines
+
+
+def _abstract(*args):
+  from graphguard_hlo.api import _abstract_args
+  return _abstract_args(args, MESH, (P(), P()))
