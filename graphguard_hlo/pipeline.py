@@ -14,6 +14,7 @@ from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.passes.loop_split import split_layer_loops, trip_counts
 from graphguard_hlo.passes.microbatch_loops import split_microbatch_loops
 from graphguard_hlo.passes.rank_cases import rank_case_patterns
+from graphguard_hlo.passes.unsaved_loops import copy_unsaved_loops
 from graphguard_hlo.passes.ring_loops import unroll_ring_loops
 from graphguard_hlo.passes.inference import Result, verify_programs
 from graphguard_hlo.passes.layout import Layout
@@ -61,6 +62,11 @@ def prepare_seq(seq: ir.Module, program: Optional[DistProgram] = None) -> ir.Mod
   # scan over all of them, split into loops of that many steps (once in the
   # loops' normal form, saving the same rows as the per-device ones).
   if program is not None and split_layer_loops(seq, trip_counts(program.graph)):
+    canonicalize_module(seq, rings=rings, extra=extra)
+  # A stage's vjp taken by hand (1F1B) runs its forward once saving nothing
+  # and once saving: the sequential loop, copied without its saves for the
+  # readers of its output.
+  if program is not None and copy_unsaved_loops(seq, program.graph):
     canonicalize_module(seq, rings=rings, extra=extra)
   # And GPipe runs each stage's loop on one microbatch at a time: the
   # sequential loop over the whole batch, split into one per microbatch.
