@@ -79,6 +79,7 @@ def test_names_and_metadata():
     strategies.get(f"{model}/pp_tp_gpipe_grad/shard_map/ok")
     strategies.get(f"{model}/pp_gpipe_adamw/shard_map/ok")
     strategies.get(f"{model}/pp_gpipe_scan_grad/shard_map/ok")
+    strategies.get(f"{model}/pp_1f1b_buffered_scan_grad/shard_map/ok")
     strategies.get(f"{model}/cp_scan_grad/gspmd/ok")
     strategies.get(f"{model}/dp_tp_accum4/shard_map/ok")
     strategies.get(f"{model}/dp_tp_vocab_take_grad/shard_map/ok")

@@ -211,6 +211,10 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/pp_gpipe_scan/shard_map/microbatch_fed_late":
         "rows 3:4 along dim 0 are microbatch 3 of 4 the sequential loop at",
     "gpt2/pp_gpipe_scan_grad/shard_map/double_counted_grad": "4 times the sequential one",
+    "gpt2/pp_1f1b_buffered_scan_grad/shard_map/stale_input":
+        "this loop runs on microbatch 0 of the 4 the sequential loop at",
+    "llama3/pp_1f1b_scan_grad/shard_map/cotangent_forward":
+        "activations or their cotangents passed to the wrong stage?",
     "llama3/pp_gpipe/shard_map/microbatch_fed_late": "but never takes rows 3 (a microbatch "
                                                      "skipped?)",
     "gpt2/zero_adamw/shard_map/param_tile_of_next_rank":

@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 
 from tools.zoo.models import (PARTS, SEQUENTIAL, Config, Parallel, Parts, base_name,
-                              is_stacked, param_specs, run_stack_in_order)
+                              is_stacked, param_specs, run_stack_in_order, scan_stack)
 
 BUGS = ("stale_input", "cotangent_forward")
 
@@ -85,9 +85,10 @@ def _model(model: str, cfg: Config, par: Parallel, names: list[str], microbatche
   size = tokens.shape[0] // microbatches
   rows = lambda x, m: x[m * size:(m + 1) * size]
 
-  def layers(stack, x):
+  def layers(stack, x):  # (a stage's rows of the layers: scanned as the whole model is)
     by_base = {base_name(k): w for k, w in stack.items()}
-    return run_stack_in_order(x, by_base, lambda h, w: parts.layer(h, w, tables))
+    run = scan_stack if cfg.scan_layers else run_stack_in_order
+    return run(x, by_base, lambda h, w: parts.layer(h, w, tables))
 
   def head(rest, y, m):
     return parts.head(y, rows(labels, m), rest) / np.float32(microbatches)

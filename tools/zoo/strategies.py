@@ -1649,12 +1649,15 @@ def _schedule_mesh(mesh: str) -> tuple[_Strategy, Callable[[], Parallel]]:
 
 
 def _one_f_one_b_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
-                      buffered=False, mesh="pp", par=None) -> Case:
+                      buffered=False, mesh="pp", par=None, scan=False) -> Case:
   """A training step under the 1F1B schedule (``one_f_one_b.py``) on the
   stages of ``_schedule_mesh(mesh)``.  ``par``: the stages' hooks, if not the
-  mesh's (a seeded bug inside the stages)."""
+  mesh's (a seeded bug inside the stages).  ``scan``: each stage scans its
+  layers, the sequential model all of them."""
   base, base_par = _schedule_mesh(mesh)
-  name = f"{mesh}_1f1b" + ("_buffered" if buffered else "")
+  if scan:
+    base = _stages_scanned(base, base_par)
+  name = f"{mesh}_1f1b" + ("_buffered" if buffered else "") + ("_scan" if scan else "")
   schedule_bug = variant if variant in one_f_one_b.BUGS else None
   return _schedule_case(
       model, dataclasses.replace(base, name=name), cfg, variant, bug, bug_primitive,
@@ -1941,6 +1944,15 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       # ... with Megatron TP inside each of 2 stages (2 x 4), both ways of saving.
       built.append(_one_f_one_b_case(model, cfg, mesh="pp_tp"))
       built.append(_one_f_one_b_case(model, cfg, mesh="pp_tp", buffered=True))
+      # ... each stage scanning its layers, both ways of saving: a stage's
+      # forward runs once plainly and once under its vjp (unsaved_loops.py),
+      # each on one microbatch (microbatch_loops.py).
+      built.append(_one_f_one_b_case(model, cfg, scan=True))
+      built.append(_one_f_one_b_case(model, cfg, buffered=True, scan=True))
+    built.append(_one_f_one_b_case("gpt2", cfg, "stale_input", "stale_activation", "while",
+                                   buffered=True, scan=True))
+    built.append(_one_f_one_b_case("llama3", cfg, "cotangent_forward", "wrong_permutation",
+                                   "dot_general", scan=True))
     built.append(_one_f_one_b_case("gpt2", cfg, "wrong_replica_groups", "wrong_replica_groups",
                                    "add", mesh="pp_tp",
                                    par=_tp_par(lambda axis: _psum(("pp", axis)))))
