@@ -59,15 +59,19 @@ def _modules(mix, batch_dim=0, microbatched=True):
   dist = lower_sequential(_per_microbatch(f, batch_dim), jax.ShapeDtypeStruct(shape(B), jnp.float32),
                           ws) if microbatched else \
       lower_sequential(f, jax.ShapeDtypeStruct(shape(MICRO), jnp.float32), ws)
-  for m in (seq, dist):
+  return (f,) + _prepared(seq, dist)
+
+
+def _prepared(*modules):
+  """The modules as prepare_seq has them before the split."""
+  for m in modules:
     inline_calls(m)
     canonicalize_module(m)
-  return f, seq, dist
+  return modules
 
 
 def _run(module, *args):
-  env = Interpreter(1).run(module.main, [[a] for a in args])
-  return np.asarray(env[module.main.results[0].id][0])
+  return _run_all(module, *args)[0]
 
 
 @pytest.mark.parametrize("name", sorted(KEEPS_ROWS))
@@ -180,11 +184,7 @@ def _accumulating_modules(step, start=_zeros, dtype=jnp.float32):
     return jnp.concatenate([o[0] for o in outs]), jax.tree.map(lambda *a: sum(a),
                                                                *[o[1] for o in outs])
   args = (jax.ShapeDtypeStruct((B, D), dtype), jax.ShapeDtypeStruct((LAYERS, D, D), dtype))
-  seq, dist = lower_sequential(f, *args), lower_sequential(per_microbatch, *args)
-  for m in (seq, dist):
-    inline_calls(m)
-    canonicalize_module(m)
-  return f, seq, dist
+  return (f,) + _prepared(lower_sequential(f, *args), lower_sequential(per_microbatch, *args))
 
 
 def _run_all(module, *args):
@@ -247,10 +247,7 @@ def test_a_scanned_training_step_is_split_forward_and_backward():
     return jnp.concatenate([g[0] for g in grads]), sum(g[1] for g in grads)
   args = (jax.ShapeDtypeStruct((B, D), jnp.float32),
           jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32))
-  seq, dist = lower_sequential(seq_fn, *args), lower_sequential(dist_fn, *args)
-  for m in (seq, dist):
-    inline_calls(m)
-    canonicalize_module(m)
+  seq, dist = _prepared(lower_sequential(seq_fn, *args), lower_sequential(dist_fn, *args))
   assert split_microbatch_loops(seq, dist.main) == 2
   loops = [op for op in seq.main.ops if op.name == "while"]
   assert len(loops) == 2 * (B // MICRO)
