@@ -84,21 +84,27 @@ def cone(g: ir.Graph, roots: list[ir.Value]) -> set[int]:
   return out
 
 
-def drop_dead_carries(loop: ir.Op, used_outside: set[int]) -> int:
-  """Remove the carries whose results nobody reads and that no live carry
-  (nor the condition, nor an op with effects) is computed from; returns how
-  many.  The ops only they read go with canonicalize's dead-op sweep."""
+def needed_carries(loop: ir.Op, carries: set[int]) -> set[int]:
+  """``carries``, the condition's, and every carry they (or an op with effects)
+  are computed from over the iterations."""
   cond, body = loop.regions
-  live = {j for j, r in enumerate(loop.results) if r.id in used_outside}
   cond_cone = cone(cond, cond.results)
-  live |= {j for j, p in enumerate(cond.params) if p.id in cond_cone}
+  live = set(carries) | {j for j, p in enumerate(cond.params) if p.id in cond_cone}
   effects = [v for op in body.ops if op.name in EFFECTS for v in op.operands]
   while True:
     reached = cone(body, [body.results[j] for j in live] + effects)
     grown = live | {j for j, p in enumerate(body.params) if p.id in reached}
     if grown == live:
-      break
+      return live
     live = grown
+
+
+def drop_dead_carries(loop: ir.Op, used_outside: set[int]) -> int:
+  """Remove the carries whose results nobody reads and that no live carry
+  (nor the condition, nor an op with effects) is computed from; returns how
+  many.  The ops only they read go with canonicalize's dead-op sweep."""
+  cond, body = loop.regions
+  live = needed_carries(loop, {j for j, r in enumerate(loop.results) if r.id in used_outside})
   carries = len(loop.results)
   if len(live) == carries:
     return 0

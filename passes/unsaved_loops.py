@@ -25,8 +25,8 @@ loop a reader reads (loops with effects are left alone).
 from __future__ import annotations
 
 from graphguard_hlo import ir
-from graphguard_hlo.passes.loop_edits import EFFECTS, clone_op, cone, drop_dead_carries, \
-    replace_uses, used_ids
+from graphguard_hlo.passes.loop_edits import EFFECTS, clone_op, drop_dead_carries, \
+    needed_carries, replace_uses, used_ids
 
 
 def copy_unsaved_loops(module: ir.Module, dist: ir.Graph) -> int:
@@ -45,7 +45,7 @@ def copy_unsaved_loops(module: ir.Module, dist: ir.Graph) -> int:
       continue
     used = used_ids(graph.ops, graph.results)
     read = {j for j, r in enumerate(loop.results) if r.id in used}
-    saving = {j for j in read if j not in _needed(loop, read - {j})}
+    saving = {j for j in read if j not in needed_carries(loop, read - {j})}
     if not saving or saving == read:
       continue
     copy = clone_op(module, loop, {})
@@ -63,17 +63,3 @@ def _carry_kinds(loop: ir.Op) -> tuple:
   """Each carry's element type and rank: a per-device loop's are the same
   (its shapes may be tiles, or microbatches, of the sequential ones)."""
   return tuple((v.type.dtype, v.type.rank) for v in loop.operands)
-
-
-def _needed(loop: ir.Op, carries: set[int]) -> set[int]:
-  """The carries ``carries`` (and the condition) are computed from, over
-  every iteration: themselves and what their body results read, until closed."""
-  cond, body = loop.regions
-  cond_reads = cone(cond, cond.results)
-  live = set(carries) | {j for j, p in enumerate(cond.params) if p.id in cond_reads}
-  while True:
-    reached = cone(body, [body.results[j] for j in live])
-    grown = live | {j for j, p in enumerate(body.params) if p.id in reached}
-    if grown == live:
-      return live
-    live = grown
