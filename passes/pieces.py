@@ -206,12 +206,16 @@ class Pieces:
       return
 
   def concatenated(self, op: ir.Op) -> None:
-    """A sequential concatenation of values each related whole: its operands
-    are its pieces along the dim, tiled over no axis."""
+    """A sequential concatenation of values each related whole, none of which
+    the per-device program concatenates: its operands are its pieces along
+    the dim, tiled over no axis."""
     inf = self.inf
     if op.results[0].id in self.splits or len(op.operands) < 2 or \
         not all(inf.whole_relations(v) for v in op.operands):
       return
+    if any(user.name == "concatenate" for v in op.operands for r in inf.whole_relations(v)
+           for user in inf.users.get(r.cls, ())):
+      return  # the program does put them together, elsewhere or otherwise: report it here
     d = op.attrs["dimension"]
     self.splits[op.results[0].id] = Split(d, (), tuple(v.shape[d] for v in op.operands),
                                           tuple(op.operands))
