@@ -47,7 +47,7 @@ from graphguard_hlo.passes.canonicalize import _fresh
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.lemmas import ELEMENTWISE
 from graphguard_hlo.passes.loop_edits import clone_region, replace_uses
-from graphguard_hlo.passes.terms import splat_value
+from graphguard_hlo.passes.terms import is_zero, splat_value
 
 _SAME_ALONG_THE_BATCH = ("broadcast_in_dim", "iota", "constant")
 
@@ -71,7 +71,7 @@ def split_microbatch_loops(module: ir.Module, dist: ir.Graph) -> int:
       if sum(1 for p in here if _microbatch_cut(loop, p) == cut) < pieces:
         continue  # one loop on a rank's tile (data parallel), not one per microbatch
       zeros = {j for j, v in enumerate(loop.operands)
-               if j not in dims and v.type.dtype not in ("pred", "i1") and _is_zero(v)}
+               if j not in dims and v.type.dtype not in ("pred", "i1") and is_zero(v)}
       batch = _BatchDims.of(loop.regions[1], dims, zeros)
       if batch is None or _condition_reads(loop.regions[0], set(dims) | batch.summed_carries):
         continue
@@ -108,11 +108,6 @@ def _condition_reads(cond: ir.Graph, carries: set[int]) -> bool:
   return any(cond.params[j].id in read for j in carries)
 
 
-def _is_zero(v: ir.Value) -> bool:
-  """A zero splat: the sum of as many zeros as there are pieces."""
-  return splat_value(v) == 0
-
-
 # Ops linear in their operands at these positions (None: all), the rest read
 # as the same in every piece: each such operand a sum over the pieces or zero
 # makes the result one.  ``dynamic_update_slice`` writes a summed row into a
@@ -146,12 +141,12 @@ def _linear_in_sums(op: ir.Op, summed: list[bool]) -> bool:
     return False
   linear = _ADDITIVE[name]
   linear = range(len(op.operands)) if linear is None else linear
-  if name == "pad" and not _is_zero(op.operands[1]):
+  if name == "pad" and not is_zero(op.operands[1]):
     return False
   if name == "reduce" and (len(op.operands) != 2 or reducer_kind(op.regions[0]) != "sum"
-                           or not _is_zero(op.operands[1])):
+                           or not is_zero(op.operands[1])):
     return False
-  return all(summed[k] or _is_zero(op.operands[k]) for k in linear) and \
+  return all(summed[k] or is_zero(op.operands[k]) for k in linear) and \
       not any(s for k, s in enumerate(summed) if k not in linear)
 
 
@@ -198,7 +193,7 @@ class _BatchDims:
       return None
     for j, r in enumerate(body.results):
       if j in summed:
-        ok = r.id in found.summed or _is_zero(r)
+        ok = r.id in found.summed or is_zero(r)
       else:
         ok = found.dim.get(r.id) == dims.get(j) and r.id not in found.summed
       if not ok:
@@ -249,7 +244,7 @@ class _BatchDims:
       return lhs in lc and rhs in rc and lc.index(lhs) == rc.index(rhs)
     if op.name == "reduce" and len(op.operands) == 2 and ins[1] is None:
       return (ins[0] in op.attrs["dimensions"] and reducer_kind(op.regions[0]) == "sum"
-              and _is_zero(op.operands[1]))
+              and is_zero(op.operands[1]))
     return False
 
   def _result_dim(self, at: int, op: ir.Op, ins: list) -> Optional[int]:

@@ -61,15 +61,11 @@ class _Recipe:
   result: ir.Value
 
 
-def _zero(v: ir.Value) -> bool:
-  return terms.splat_value(v) == 0
-
-
 def _is_row_slice(op: ir.Op, stack: ir.Value) -> bool:
   """``op`` is ``dynamic_slice(stack, [j, 0, ...])`` of one whole row (the
   callers say which ``j``)."""
   return (op.name == "dynamic_slice" and op.operands[0] is stack
-          and stack not in op.operands[1:] and all(_zero(s) for s in op.operands[2:])
+          and stack not in op.operands[1:] and all(terms.is_zero(s) for s in op.operands[2:])
           and tuple(op.attrs.get("slice_sizes", ())) == (1, *stack.shape[1:]))
 
 
@@ -82,7 +78,7 @@ def _saved_rows(loop: ir.Op, counter: int, n: int) -> dict[int, ir.Value]:
     if dus is None or dus.name != "dynamic_update_slice" or dus.operands[0] is not body.params[k]:
       continue
     stack, update, first, *rest = dus.operands
-    if at_counter(first, body.params[counter], n) and all(_zero(s) for s in rest) and \
+    if at_counter(first, body.params[counter], n) and all(terms.is_zero(s) for s in rest) and \
         stack.shape[:1] == (n,) and update.shape == (1, *stack.shape[1:]):
       out[k] = update
   return out

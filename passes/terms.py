@@ -93,6 +93,11 @@ def splat_value(v: ir.Value) -> Optional[float]:
   return _converted(flat[0], converts[::-1])
 
 
+def is_zero(v: ir.Value) -> bool:
+  """A splat of zero (through broadcasts, reshapes and converts)."""
+  return splat_value(v) == 0
+
+
 def converted(value: float, dtype: str) -> Optional[float]:
   """A splat's ``value`` converted to ``dtype`` (None: see ``_converted``)."""
   return _converted(np.float64(value), [dtype])
