@@ -33,7 +33,12 @@ Other carries are the same in every piece: the first piece's stand for them.
 Sequential program only; the split is chosen by the per-device loops at the
 same source line whose carries are the batch's microbatches, at least one
 such loop a microbatch (a data-parallel rank runs one loop on its tile: its
-relation is a tiling, proved as it is).
+relation is a tiling, proved as it is).  Their other carries may differ
+otherwise: with tensor parallelism inside a stage, each microbatch's loop
+holds the stage's weights tiled.  The batch is then the extent some carries
+are cut from and to that the body keeps apart (``_microbatch_cuts`` lists
+each candidate, ``_BatchDims`` accepts or refuses it), and the pieces keep
+the weights whole for ``loops.py`` to prove the tiling.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ _SAME_ALONG_THE_BATCH = ("broadcast_in_dim", "iota", "constant")
 def split_microbatch_loops(module: ir.Module, dist: ir.Graph) -> int:
   """Split each loop of ``module``'s main the per-device program runs on
   microbatches (a loop at the same source line whose carries are the
-  sequential ones cut along one dim); the number of loops split."""
+  sequential ones with the batch cut along one dim); the number of loops split."""
   partners: dict[str, list[ir.Op]] = {}
   for op in dist.walk():
     if op.name == "while":
@@ -63,13 +68,12 @@ def split_microbatch_loops(module: ir.Module, dist: ir.Graph) -> int:
   graph, split = module.main, 0
   for loop in [op for op in graph.ops if op.name == "while"]:
     here = partners.get(str(loop.location), [])
-    for partner in here:
-      cut = _microbatch_cut(loop, partner)
-      if cut is None:
-        continue
+    cuts = [_microbatch_cuts(loop, partner) for partner in here]
+    for cut in dict.fromkeys(c for found in cuts for c in found):
       dims, pieces = cut
-      if sum(1 for p in here if _microbatch_cut(loop, p) == cut) < pieces:
+      if sum(1 for found in cuts if cut in found) < pieces:
         continue  # one loop on a rank's tile (data parallel), not one per microbatch
+      dims = dict(dims)
       zeros = {j for j, v in enumerate(loop.operands)
                if j not in dims and v.type.dtype not in ("pred", "i1") and is_zero(v)}
       batch = _BatchDims.of(loop.regions[1], dims, zeros)
@@ -81,26 +85,36 @@ def split_microbatch_loops(module: ir.Module, dist: ir.Graph) -> int:
   return split
 
 
-def _microbatch_cut(loop: ir.Op, partner: ir.Op) -> Optional[tuple[dict[int, int], int]]:
-  """({carry: dim}, pieces) if ``partner``'s carries are ``loop``'s with one
-  dim of some cut into the same number of pieces, the rest alike."""
+def _microbatch_cuts(loop: ir.Op, partner: ir.Op) -> list[tuple[tuple[tuple[int, int], ...], int]]:
+  """Each way ``partner``'s carries may be ``loop``'s with the batch cut:
+  ``(((carry, dim), ...), pieces)``, one for each extent a dim of some carry
+  is cut from and to.  The batch is the one extent every batch value has
+  (``_BatchDims.of`` tells which candidate it is); other carries may differ
+  otherwise, tiled by tensor parallelism inside the stage, which is
+  ``loops.py``'s to prove.  A carry cut twice from and to the batch's
+  extents (batch and heads alike in size) names no dim: not a candidate."""
   if len(loop.operands) != len(partner.operands):
-    return None
-  dims, pieces = {}, set()
-  for j, (s, d) in enumerate(zip(loop.operands, partner.operands)):
+    return []
+  differs: list[dict[int, tuple[int, int]]] = []
+  for s, d in zip(loop.operands, partner.operands):
     if s.type.dtype != d.type.dtype or s.type.rank != d.type.rank:
-      return None
-    differ = [k for k, (a, b) in enumerate(zip(s.shape, d.shape)) if a != b]
-    if not differ:
-      continue
-    k = differ[0]
-    if len(differ) > 1 or d.shape[k] == 0 or s.shape[k] % d.shape[k]:
-      return None
-    dims[j] = k
-    pieces.add(s.shape[k] // d.shape[k])
-  if len(pieces) != 1 or min(pieces) < 2:
-    return None
-  return dims, pieces.pop()
+      return []
+    differ = {k: (a, b) for k, (a, b) in enumerate(zip(s.shape, d.shape)) if a != b}
+    if any(b == 0 or a % b for a, b in differ.values()):
+      return []
+    differs.append(differ)
+  cuts = []
+  for whole, part in sorted({pair for differ in differs for pair in differ.values()}):
+    dims = []
+    for j, differ in enumerate(differs):
+      at = [k for k, pair in differ.items() if pair == (whole, part)]
+      if len(at) > 1:
+        break
+      dims.extend((j, k) for k in at)
+    else:
+      if whole // part >= 2:
+        cuts.append((tuple(dims), whole // part))
+  return cuts
 
 
 def _condition_reads(cond: ir.Graph, carries: set[int]) -> bool:

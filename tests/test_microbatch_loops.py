@@ -140,6 +140,62 @@ def test_empty_batches_are_not_split(seq_rows, dist_rows):
   assert split_microbatch_loops(seq, dist.main) == 0
 
 
+
+# Tensor parallelism inside a stage: each microbatch's loop holds the weights'
+# last dim tiled ``TILED`` ways, so its carries differ from the sequential
+# ones by the tiling as well as by the microbatch.  Each mix works at any
+# width of the weights.
+TILED = 4
+TILED_KEEPS_ROWS = lambda h, w: jnp.tanh(h @ w) @ w.T + h
+TILED_MIXES_ROWS = lambda h, w: (h - h.mean(0, keepdims=True)) @ w @ w.T
+
+
+def _tiled_modules(mix, batch, micro):
+  f = _layers(mix)
+
+  def per_microbatch(h, ws):
+    return jnp.concatenate([f(h[m * micro:(m + 1) * micro], ws)
+                            for m in range(batch // micro)])
+  h = jax.ShapeDtypeStruct((batch, D), jnp.float32)
+  seq = lower_sequential(f, h, jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32))
+  dist = lower_sequential(per_microbatch, h,
+                          jax.ShapeDtypeStruct((LAYERS, D, D // TILED), jnp.float32))
+  return (f,) + _prepared(seq, dist)
+
+
+# (batch, microbatch): the batch's extents before the tiled weights' (4 -> 1
+# against 8 -> 2) and after them (16 -> 4), tried in turn.
+@pytest.mark.parametrize("batch, micro", [(B, MICRO), (16, 4)])
+def test_a_loop_whose_partner_also_tiles_the_weights_is_split_by_the_batch(batch, micro):
+  f, seq, dist = _tiled_modules(TILED_KEEPS_ROWS, batch, micro)
+  assert split_microbatch_loops(seq, dist.main) == 1
+  loops = [op for op in seq.main.ops if op.name == "while"]
+  assert len(loops) == batch // micro
+  for loop in loops:  # the batch cut, the weights whole: loops.py proves the tiling
+    assert {v.shape for v in loop.operands} >= {(micro, D), (LAYERS, D, D)}
+  rng = np.random.default_rng(0)
+  h = rng.standard_normal((batch, D)).astype(np.float32)
+  ws = (rng.standard_normal((LAYERS, D, D)) / 3).astype(np.float32)
+  np.testing.assert_allclose(_run(seq, h, ws), np.asarray(jax.jit(f)(h, ws)), rtol=1e-4,
+                             atol=1e-5)
+
+
+def test_a_loop_mixing_rows_is_not_split_beside_tiled_weights():
+  _, seq, dist = _tiled_modules(TILED_MIXES_ROWS, B, MICRO)
+  assert split_microbatch_loops(seq, dist.main) == 0
+
+
+def test_a_carry_cut_twice_from_the_batch_extent_is_not_split():
+  """Carries [B, B] against [1, 1]: which dim is the batch is not known."""
+  f = _layers(lambda h, w: jnp.tanh(h) * w[0, 0])
+  ws = jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32)
+  seq = lower_sequential(f, jax.ShapeDtypeStruct((B, B), jnp.float32), ws)
+  dist = lower_sequential(lambda h, ws: jnp.stack([f(h[m:m + 1, m:m + 1], ws)
+                                                   for m in range(B)]),
+                          jax.ShapeDtypeStruct((B, B), jnp.float32), ws)
+  _prepared(seq, dist)
+  assert split_microbatch_loops(seq, dist.main) == 0
+
 # A carry summing over the rows (a weight's gradient, dW += h^T dy): the
 # pieces' carries, each from zero, add up to the sequential one -- where it
 # starts at zero and only sums, scaled by what every piece shares, reach it.
