@@ -215,6 +215,14 @@ _DIAGNOSES: dict[str, str] = {
         "this loop runs on microbatch 0 of the 4 the sequential loop at",
     "llama3/pp_1f1b_scan_grad/shard_map/cotangent_forward":
         "activations or their cotangents passed to the wrong stage?",
+    "llama3/pp_tp_1f1b_scan_grad/shard_map/wrong_replica_groups":
+        "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
+    "gpt2/pp_tp_1f1b_buffered_scan_grad/shard_map/stale_input":
+        "this loop runs on microbatch 0 of the 4 the sequential loop at",
+    "gpt2/pp_tp_gpipe_scan/shard_map/wrong_replica_groups":
+        "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
+    "llama3/pp_tp_gpipe_scan_grad/shard_map/double_counted_grad":
+        "so summed over those ranks it is counted 4 times",
     "llama3/pp_gpipe/shard_map/microbatch_fed_late": "but never takes rows 3 (a microbatch "
                                                      "skipped?)",
     "gpt2/zero_adamw/shard_map/param_tile_of_next_rank":

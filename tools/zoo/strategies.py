@@ -920,6 +920,11 @@ GPIPE_SCAN = _stages_scanned(GPIPE, lambda: Parallel(run_stack=_gpipe_stages("pp
                                                                            scan=True)))
 
 PP_TP_SCAN = _stages_scanned(PP_TP, functools.partial(_pp_tp_par, scan=True))
+# GPipe with TP inside each stage, each stage scanning its layers: the
+# sequential scan split by stage and microbatch, each piece's partner holding
+# the stage's weights tiled by "tp".
+PP_TP_GPIPE_SCAN = _stages_scanned(PP_TP_GPIPE, lambda: dataclasses.replace(
+    _tp_par(), run_stack=_gpipe_stages("pp", 4, scan=True)))
 DP_PP_TP_SCAN = _stages_scanned(DP_PP_TP, lambda: _staged(_dp_tp_par(), scan=True))
 
 # dp x tp with the vocabulary split over "tp" (its programs look tokens up by jnp.take).
@@ -1956,6 +1961,17 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_one_f_one_b_case("gpt2", cfg, "wrong_replica_groups", "wrong_replica_groups",
                                    "add", mesh="pp_tp",
                                    par=_tp_par(lambda axis: _psum(("pp", axis)))))
+    # ... with TP inside each of 2 stages scanning their layers, both ways of
+    # saving; the wrong replica groups met inside stage 0's forward loop, a
+    # stale saved input at microbatch 0's loop.
+    for model in MODELS:
+      built.append(_one_f_one_b_case(model, cfg, mesh="pp_tp", scan=True))
+      built.append(_one_f_one_b_case(model, cfg, mesh="pp_tp", buffered=True, scan=True))
+    built.append(_one_f_one_b_case("llama3", cfg, "wrong_replica_groups", "wrong_replica_groups",
+                                   "add", mesh="pp_tp", scan=True,
+                                   par=_tp_par(lambda axis: _psum(("pp", axis)))))
+    built.append(_one_f_one_b_case("gpt2", cfg, "stale_input", "stale_activation", "while",
+                                   mesh="pp_tp", buffered=True, scan=True))
     # Interleaved 1F1B: 2 virtual stages (chunks) of one layer on each of 4
     # stages.  Bugs: the units taken depth first (chunk 1 of a microbatch
     # starts before chunk 0's output has come round the ring: stage 0 drops
@@ -2010,6 +2026,24 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
       dataclasses.replace(_tp_par(lambda axis: _psum(("pp", axis))),
                           run_stack=_gpipe_stages("pp", 4)),
       "wrong_replica_groups", "add"))
+  # ... each stage scanning its layers: each microbatch's piece of the
+  # sequential loop has for partner a loop holding the stage's weights tiled
+  # by "tp" (microbatch_loops.py).  Bugs: the wrong replica groups met at the
+  # residual add inside stage 0's loop; trained with the checker off, the
+  # cotangent doubled where the backward loop's residual add meets it.
+  for model in MODELS:
+    built.append(_shard_map_case(model, PP_TP_GPIPE_SCAN, cfg, "ok", PP_TP_GPIPE_SCAN.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, PP_TP_GPIPE_SCAN, cfg))
+  built.append(_shard_map_case(
+      "gpt2", PP_TP_GPIPE_SCAN, cfg, "wrong_replica_groups",
+      dataclasses.replace(_tp_par(lambda axis: _psum(("pp", axis))),
+                          run_stack=_gpipe_stages("pp", 4, scan=True)),
+      "wrong_replica_groups", "add"))
+  if grad:
+    built.append(_shard_map_grad_case("llama3", PP_TP_GPIPE_SCAN, cfg, "double_counted_grad",
+                                      check_vma=False, bug="double_counted_grad",
+                                      bug_primitive="add"))
   # Stages with tensor parallelism inside (2 x 4), and on the 2x2x2 mesh with
   # the batch over "dp" too: forward and backward.
   for model, strategy in itertools.product(MODELS, (PP_TP, DP_PP_TP)):
