@@ -49,10 +49,9 @@ import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.canonicalize import _fresh
-from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.lemmas import ELEMENTWISE
 from graphguard_hlo.passes.loop_edits import clone_region, replace_uses
-from graphguard_hlo.passes.terms import is_zero, splat_value
+from graphguard_hlo.passes.terms import is_zero, splat_value, sums_from_zero
 
 _SAME_ALONG_THE_BATCH = ("broadcast_in_dim", "iota", "constant")
 
@@ -157,8 +156,7 @@ def _linear_in_sums(op: ir.Op, summed: list[bool]) -> bool:
   linear = range(len(op.operands)) if linear is None else linear
   if name == "pad" and not is_zero(op.operands[1]):
     return False
-  if name == "reduce" and (len(op.operands) != 2 or reducer_kind(op.regions[0]) != "sum"
-                           or not is_zero(op.operands[1])):
+  if name == "reduce" and not sums_from_zero(op):
     return False
   return all(summed[k] or is_zero(op.operands[k]) for k in linear) and \
       not any(s for k, s in enumerate(summed) if k not in linear)
@@ -257,8 +255,7 @@ class _BatchDims:
       lc, rc = list(at["lhs_contract"]), list(at["rhs_contract"])
       return lhs in lc and rhs in rc and lc.index(lhs) == rc.index(rhs)
     if op.name == "reduce" and len(op.operands) == 2 and ins[1] is None:
-      return (ins[0] in op.attrs["dimensions"] and reducer_kind(op.regions[0]) == "sum"
-              and is_zero(op.operands[1]))
+      return ins[0] in op.attrs["dimensions"] and sums_from_zero(op)
     return False
 
   def _result_dim(self, at: int, op: ir.Op, ins: list) -> Optional[int]:

@@ -45,6 +45,7 @@ import numpy as np
 from graphguard_hlo import ir
 from graphguard_hlo.passes.finite_rows import FiniteRows
 from graphguard_hlo.passes.nonfinite import Nonfinite
+from graphguard_hlo.passes.terms import sums_from_zero
 
 
 def _producer(v: ir.Value, name: str) -> Optional[ir.Op]:
@@ -136,13 +137,6 @@ def _rescaled(module, graph, scale, x: ir.Value, location) -> Optional[ir.Value]
                       x.type.dtype, location))
 
 
-def _is_sum(op: ir.Op) -> bool:
-  from graphguard_hlo.passes.collectives import reducer_kind
-  from graphguard_hlo.passes.terms import splat_value
-  return bool(op.regions) and reducer_kind(op.regions[0]) == "sum" and \
-      splat_value(op.operands[1]) == 0.0
-
-
 def _telescoped_term(scale, x: ir.Value) -> Optional[tuple[ir.Op, int, ir.Value, ir.Op]]:
   """(the term's op, side, s, broadcast) if x is ``exp(s - m) @ v`` (either
   side, maybe transposed after) or ``rowsum(exp(s - m))`` with ``scale`` =
@@ -158,7 +152,7 @@ def _telescoped_term(scale, x: ir.Value) -> Optional[tuple[ir.Op, int, ir.Value,
     return None
   if op.name == "dot_general" and len(op.operands) == 2:
     sides = [(k, _dot_rows(op, k)) for k in (0, 1)]
-  elif op.name == "reduce" and len(op.operands) == 2 and _is_sum(op) and not outer:
+  elif sums_from_zero(op) and not outer:
     sides = [(0, _reduce_rows(op))]
   else:
     return None

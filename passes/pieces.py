@@ -43,7 +43,7 @@ from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.collectives import reducer_kind
-from graphguard_hlo.passes.terms import splat_value
+from graphguard_hlo.passes.terms import sums_from_zero
 
 # Ops applied piece by piece along any dim they map one to one.
 _ROWWISE_ELEMENTWISE = frozenset({
@@ -255,8 +255,7 @@ class Pieces:
     if mapped is None:
       return
     e, summed = mapped
-    if summed and op.name == "reduce" and not (
-        reducer_kind(op.regions[0]) == "sum" and splat_value(op.operands[1]) == 0.0):
+    if summed and op.name == "reduce" and not sums_from_zero(op):
       return  # the pieces' results add up only for a sum from 0 (not a max; no init twice)
     # Every other operand: split alike along its partner dim, a splat, or
     # (a dot's other side, a reduce's init) not meeting the dim at all.

@@ -32,8 +32,8 @@ from typing import NamedTuple, Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.loop_copies import through_unit_dims
-from graphguard_hlo.passes.online_softmax import _is_sum, _producer
-from graphguard_hlo.passes.terms import splat_value
+from graphguard_hlo.passes.online_softmax import _producer
+from graphguard_hlo.passes.terms import splat_value, sums_from_zero
 
 _SHAPE_ONLY = ("broadcast_in_dim", "reshape", "transpose", "copy")
 
@@ -67,7 +67,7 @@ def _sign(v: ir.Value, depth: int = 0) -> Optional[str]:
   if op.name == "maximum":
     return "positive" if "positive" in signs else \
         "nonnegative" if "nonnegative" in signs else None
-  if op.name == "reduce" and len(op.operands) == 2 and _is_sum(op):
+  if sums_from_zero(op):
     # a sum of positives over dims with at least one element (the init is 0)
     empty = any(op.operands[0].shape[d] == 0 for d in op.attrs["dimensions"])
     return None if empty or signs[0] is None else signs[0]
@@ -222,7 +222,7 @@ def _division_vjp(x: ir.Value, e: ir.Value):
       continue
     total, negated = _negated(inner)
     red = _producer(total, "reduce")
-    if negated != negate or red is None or len(red.operands) != 2 or not _is_sum(red) or \
+    if negated != negate or red is None or not sums_from_zero(red) or \
         tuple(red.attrs["dimensions"]) != keys or red.results[0].type != l.type:
       continue
     factors = _factors(red.operands[0])

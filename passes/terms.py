@@ -98,6 +98,14 @@ def is_zero(v: ir.Value) -> bool:
   return splat_value(v) == 0
 
 
+def sums_from_zero(op: ir.Op) -> bool:
+  """Is ``op`` a reduce of one input that adds, from zero?  Over pieces of
+  its input its result is the sum of the pieces' results: any other reducer
+  (max, product) or a nonzero init (counted once a piece) breaks that."""
+  return op.name == "reduce" and len(op.operands) == 2 and bool(op.regions) and \
+      reducer_kind(op.regions[0]) == "sum" and is_zero(op.operands[1])
+
+
 def converted(value: float, dtype: str) -> Optional[float]:
   """A splat's ``value`` converted to ``dtype`` (None: see ``_converted``)."""
   return _converted(np.float64(value), [dtype])
