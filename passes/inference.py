@@ -186,6 +186,15 @@ def _laid_out_alike(operands: list[ir.Value], choices: list[list]):
     yield from itertools.product(*picks)
 
 
+
+def _holds_of_copies(layout: Layout) -> bool:
+  """Does ``layout`` relate a value to copies of it at every rank?  Not if
+  the other ranks must hold zeros, the copies are summed (a max or min of
+  copies is the value), or scaled: a loop's carry that starts at zero on
+  every rank and is 1 after one iteration is not zero elsewhere."""
+  return not layout.zero_elsewhere and layout.scale == 1.0 and \
+      (not layout.partial or layout.partial_kind in ("max", "min"))
+
 class RelationInference:
   def __init__(self, seq: ir.Module, dist: DistProgram,
                input_layouts: Optional[list[Layout]] = None,
@@ -446,9 +455,13 @@ class RelationInference:
                         self.sums.explain(values))
 
   def relates(self, s: ir.Value, d: ir.Value, layout: Layout) -> bool:
-    """Is ``s ~ layout of d`` known (splats: d is the same splat)?"""
+    """Is ``s ~ layout of d`` known (splats: d is the same splat, and the
+    layout holds of a splat at every rank: a nonzero one is neither zero
+    elsewhere, nor summed over ranks, nor scaled)?"""
     if s.id in self.splats:
       local = layout.local_shape(s.shape, self.mesh)
+      if self.splats[s.id] != 0.0 and not _holds_of_copies(layout):
+        return False
       return local is not None and self.deg.lookup_splat(
           self.splats[s.id], ir.TensorType(local, s.type.dtype)) == self.deg.of(d)
     target = self.deg.of(d)

@@ -176,3 +176,35 @@ def test_a_ring_loop_under_a_float_bound_is_not_unrolled(bound, proved):
   x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
   assert np.allclose(jax.jit(dist)(x), x) == proved
   assert gg.verify(lambda x: x, dist, jnp.zeros((8, 16))).refines == proved
+
+
+# A loop that runs once returns its counter as 1 on every rank.  Started at
+# zero on every rank beside a carry pinned to stage 0, the counter is also a
+# candidate "at stage 0, zeros elsewhere" (a stage's gradients), which the
+# iteration must not keep: summed over the stages it is |pp|, not 1.
+PP = Mesh(np.array(jax.devices()[:4]), ("pp",))
+
+
+def _counted(x):
+  return jax.lax.while_loop(lambda s: s[0] < 1, lambda s: (s[0] + 1, s[1] * 2.0),
+                            (jnp.int32(0), x))
+
+
+def _counted_seq(x):
+  i, x = _counted(x)
+  return x, i
+
+
+@pytest.mark.parametrize("count", ["replicated", "summed"])
+def test_a_counter_of_one_is_not_zero_elsewhere(count):
+  def per_device(x):
+    i, x = _counted(jnp.where(jax.lax.axis_index("pp") == 0, x, 0.0))
+    return jax.lax.psum(x, "pp"), (i if count == "replicated" else jax.lax.psum(i, "pp"))
+  dist = shard_map(per_device, mesh=PP, in_specs=P(), out_specs=(P(), P()))
+  x = np.ones((4,), np.float32)
+  agree = int(jax.jit(dist)(x)[1]) == int(_counted_seq(x)[1])
+  assert agree == (count == "replicated")
+  result = gg.verify(_counted_seq, dist, jax.ShapeDtypeStruct((4,), jnp.float32))
+  assert result.refines == agree, result
+  if not agree:
+    assert result.failure.op_name == "output" and "4 times" in result.failure.diagnosis
