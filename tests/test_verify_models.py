@@ -215,6 +215,10 @@ _DIAGNOSES: dict[str, str] = {
         "this loop runs on microbatch 0 of the 4 the sequential loop at",
     "llama3/pp_1f1b_scan_grad/shard_map/cotangent_forward":
         "activations or their cotangents passed to the wrong stage?",
+    "gpt2/pp_interleaved_1f1b_scan_grad/shard_map/depth_first":
+        "this loop runs on microbatch 0 of the 4 the sequential loop at",
+    "gpt2/pp_interleaved_1f1b_scan_grad/shard_map/chunk_of_step":
+        "this loop runs on microbatch 3 of the 4 the sequential loop at",
     "llama3/pp_tp_1f1b_scan_grad/shard_map/wrong_replica_groups":
         "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
     "gpt2/pp_tp_1f1b_buffered_scan_grad/shard_map/stale_input":

@@ -1671,7 +1671,7 @@ def _one_f_one_b_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
 
 
 def _interleaved_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
-                      indexed=False, mesh="pp", par=None) -> Case:
+                      indexed=False, mesh="pp", par=None, scan=False) -> Case:
   """A training step under the interleaved 1F1B schedule
   (``one_f_one_b.interleaved_one_f_one_b_step``) on the stages of
   ``_schedule_mesh(mesh)``, the layers as 2 virtual stages (chunks) of one
@@ -1679,9 +1679,12 @@ def _interleaved_case(model, cfg, variant="ok", bug=None, bug_primitive=None,
   ``[2, 4, ...]`` with their second dim split over "pp" (on 2 stages, 4
   layers as ``[2, 2, ...]``).  ``indexed``: saved inputs and chunk weights
   read at rows computed from the stage.  ``par``: the stages' hooks, if not
-  the mesh's."""
+  the mesh's.  ``scan``: each chunk scans its layers, the sequential model
+  all of them."""
   base, base_par = _schedule_mesh(mesh)
-  name = f"{mesh}_interleaved_1f1b" + ("_indexed" if indexed else "")
+  if scan:
+    base = _stages_scanned(base, base_par)
+  name = f"{mesh}_interleaved_1f1b" + ("_indexed" if indexed else "") + ("_scan" if scan else "")
   strategy = dataclasses.replace(base, name=name, cfg_overrides=tuple(
       dict(base.cfg_overrides, virtual_stages=2).items()))
   schedule_bug = variant if variant in one_f_one_b.INTERLEAVED_BUGS else None
@@ -2005,6 +2008,17 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_interleaved_case("gpt2", cfg, "wrong_replica_groups", "wrong_replica_groups",
                                    "add", mesh="pp_tp", indexed=True,
                                    par=_tp_par(lambda axis: _psum(("pp", axis)))))
+    # ... each chunk scanning its layer, on 4 stages and with TP inside on 2:
+    # every chunk's loop runs once (its counter 1 after it on every rank,
+    # never zero elsewhere: inference.relates).  The bugs above are met at
+    # the sequential loop of the microbatch the schedule skips.
+    for model in MODELS:
+      built.append(_interleaved_case(model, cfg, scan=True))
+    built.append(_interleaved_case("gpt2", cfg, mesh="pp_tp", scan=True))
+    built.append(_interleaved_case("gpt2", cfg, "depth_first", "microbatch_skipped", "while",
+                                   scan=True))
+    built.append(_interleaved_case("gpt2", cfg, "chunk_of_step", "wrong_model_chunk", "while",
+                                   scan=True))
     # 3D: those schedules (their buffered and indexed forms) on each half of
     # the batch, dp x pp x tp.  Bug: each dp rank's loss summed over "dp", not
     # averaged (psum where pmean belongs).
