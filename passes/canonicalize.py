@@ -931,13 +931,13 @@ def canonical_local_op(name: str, attrs: dict, operand_types: list[ir.TensorType
   return name, attrs
 
 
-def _drop_dead_ops(g: ir.Graph) -> None:
+def drop_dead_ops(g: ir.Graph) -> None:
   """Dead ops out of ``g`` and the bodies nested in it (shard_map's body holds
   the loops a rewrite left unused)."""
   g.ops = _without_dead_ops(g.ops, g.results)
   for op in g.ops:
     for region in op.regions:
-      _drop_dead_ops(region)
+      drop_dead_ops(region)
 
 
 def canonicalize_module(module: ir.Module, rings: bool = False, extra: tuple = ()) -> int:
@@ -949,11 +949,11 @@ def canonicalize_module(module: ir.Module, rings: bool = False, extra: tuple = (
     rewrites += canonicalize_graph(module, g, rings, extra)
     if forward_stacked_copies(module, g):
       rewrites += 1
-      _drop_dead_ops(g)
+      drop_dead_ops(g)
     # Loop normal forms; the ops they copy meet the ops around them (a
     # recomputed row's unit dims, a sunk mask), so the patterns run again.
     loops = sink_constant_carries(module, g) + rematerialize_saved_rows(module, g)
     if loops:
       rewrites += loops + canonicalize_graph(module, g, rings, extra)
-      _drop_dead_ops(g)
+      drop_dead_ops(g)
   return rewrites

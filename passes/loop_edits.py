@@ -102,7 +102,9 @@ def needed_carries(loop: ir.Op, carries: set[int]) -> set[int]:
 def drop_dead_carries(loop: ir.Op, used_outside: set[int]) -> int:
   """Remove the carries whose results nobody reads and that no live carry
   (nor the condition, nor an op with effects) is computed from; returns how
-  many.  The ops only they read go with canonicalize's dead-op sweep."""
+  many.  The ops only they read go too: left in the body they would read the
+  dropped parameters, values no longer defined there."""
+  from graphguard_hlo.passes.canonicalize import drop_dead_ops
   cond, body = loop.regions
   live = needed_carries(loop, {j for j, r in enumerate(loop.results) if r.id in used_outside})
   carries = len(loop.results)
@@ -120,4 +122,6 @@ def drop_dead_carries(loop: ir.Op, used_outside: set[int]) -> int:
     if len(region.param_locations) == carries:
       region.param_locations = [region.param_locations[j] for j in keep]
   body.results = [body.results[j] for j in keep]
+  for region in (cond, body):
+    drop_dead_ops(region)
   return carries - len(keep)

@@ -208,3 +208,26 @@ def test_a_counter_of_one_is_not_zero_elsewhere(count):
   assert result.refines == agree, result
   if not agree:
     assert result.failure.op_name == "output" and "4 times" in result.failure.diagnosis
+
+
+def _stacked(h, ws, order=lambda ws: ws):
+  """A scan returning each layer's output stacked (its ys)."""
+  return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), jnp.tanh(h @ w)), h, order(ws))[1]
+
+
+@pytest.mark.parametrize("order", ["in_order", "reversed"])
+def test_a_scan_returning_its_stacked_outputs_per_rank_tile(order):
+  """The loops' normal form drops a stack carry nobody reads; the ops that
+  wrote it used to stay in the body, reading a parameter no longer there
+  (a KeyError building the per-device e-graph)."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("dp",))
+  reverse = (lambda ws: ws) if order == "in_order" else (lambda ws: ws[::-1])
+  dist = shard_map(lambda h, ws: _stacked(h, ws, reverse), mesh=mesh,
+                   in_specs=(P("dp"), P()), out_specs=P(None, "dp"))
+  rng = np.random.default_rng(0)
+  h, ws = rng.standard_normal((8, 8), np.float32), rng.standard_normal((3, 8, 8), np.float32)
+  agree = np.allclose(jax.jit(dist)(h, ws), _stacked(h, ws), rtol=1e-4, atol=1e-5)
+  assert agree == (order == "in_order")
+  result = gg.verify(_stacked, dist, jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                     jax.ShapeDtypeStruct((3, 8, 8), jnp.float32))
+  assert result.refines == agree, result
