@@ -25,8 +25,10 @@ from graphguard_hlo import ir
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.layout import Layout
 
-# Beyond this many (class, layout) choices per layer, a join is not tried;
-# at most this many combinations of them are looked up.
+# Beyond this many (class, layout) choices per layer of several, a join is
+# not tried; at most this many combinations of them are looked up.  One layer
+# a stage (a data-parallel rank's microbatch) needs no combination: each
+# choice is a join of its own.
 _MAX_CHOICES = 8
 _MAX_JOINS = 64
 
@@ -110,7 +112,7 @@ def stage_joins(inf, op: ir.Op) -> Iterator[tuple[int, Layout]]:
     if any(parts[s * m + i].shape[k] != parts[i].shape[k] for s in range(n) for i in range(m)):
       continue
     slots = [_slot_choices(inf, op, axis, n, m, i) for i in range(m)]
-    if not all(slots) or any(len(c) > _MAX_CHOICES for c in slots):
+    if not all(slots) or (m > 1 and any(len(c) > _MAX_CHOICES for c in slots)):
       continue
     for layout in {l for _, l in slots[0]}:
       if layout.dims[k] or axis in layout.used_axes():
