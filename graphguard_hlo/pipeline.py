@@ -70,7 +70,8 @@ def prepare_seq(seq: ir.Module, program: Optional[DistProgram] = None) -> ir.Mod
     canonicalize_module(seq, rings=rings, extra=extra)
   # And GPipe runs each stage's loop on one microbatch at a time: the
   # sequential loop over the whole batch, split into one per microbatch.
-  if program is not None and split_microbatch_loops(seq, program.graph):
+  if program is not None and split_microbatch_loops(seq, program.graph, program.param_layouts,
+                                                    program.mesh):
     canonicalize_module(seq, rings=rings, extra=extra)
   return seq
 

@@ -43,23 +43,31 @@ the weights whole for ``loops.py`` to prove the tiling.
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.canonicalize import _fresh
+from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.lemmas import ELEMENTWISE
 from graphguard_hlo.passes.loop_edits import clone_region, replace_uses
+from graphguard_hlo.passes.pieces import block_source
 from graphguard_hlo.passes.terms import is_zero, splat_value, sums_from_zero
 
 _SAME_ALONG_THE_BATCH = ("broadcast_in_dim", "iota", "constant")
 
 
-def split_microbatch_loops(module: ir.Module, dist: ir.Graph) -> int:
+def split_microbatch_loops(module: ir.Module, dist: ir.Graph,
+                           param_layouts: Sequence[Optional[Layout]] = (),
+                           mesh: Optional[ir.Mesh] = None) -> int:
   """Split each loop of ``module``'s main the per-device program runs on
   microbatches (a loop at the same source line whose carries are the
-  sequential ones with the batch cut along one dim); the number of loops split."""
+  sequential ones with the batch cut along one dim); the number of loops split.
+  ``param_layouts``, ``mesh``: how the per-device program's parameters tile
+  the sequential ones (a batch tiled over data-parallel ranks is cut into
+  each rank's microbatches, ``_batch_tiles``)."""
   partners: dict[str, list[ir.Op]] = {}
   for op in dist.walk():
     if op.name == "while":
@@ -70,15 +78,17 @@ def split_microbatch_loops(module: ir.Module, dist: ir.Graph) -> int:
     cuts = [_microbatch_cuts(loop, partner) for partner in here]
     for cut in dict.fromkeys(c for found in cuts for c in found):
       dims, pieces = cut
-      if sum(1 for found in cuts if cut in found) < pieces:
-        continue  # one loop on a rank's tile (data parallel), not one per microbatch
       dims = dict(dims)
+      tiles = _batch_tiles(graph, loop, dims, param_layouts, mesh)
+      if pieces % tiles or pieces // tiles < 2 or \
+          sum(1 for found in cuts if cut in found) < pieces // tiles:
+        continue  # one loop on a rank's tile (data parallel), not one per microbatch
       zeros = {j for j, v in enumerate(loop.operands)
                if j not in dims and v.type.dtype not in ("pred", "i1") and is_zero(v)}
       batch = _BatchDims.of(loop.regions[1], dims, zeros)
       if batch is None or _condition_reads(loop.regions[0], set(dims) | batch.summed_carries):
         continue
-      _split(module, graph, loop, dims, pieces, batch)
+      _split(module, graph, loop, dims, pieces // tiles, tiles, batch)
       split += 1
       break
   return split
@@ -115,6 +125,34 @@ def _microbatch_cuts(loop: ir.Op, partner: ir.Op) -> list[tuple[tuple[tuple[int,
         cuts.append((tuple(dims), whole // part))
   return cuts
 
+
+
+def _batch_tiles(graph: ir.Graph, loop: ir.Op, dims: dict[int, int],
+                 layouts: Sequence[Optional[Layout]], mesh: Optional[ir.Mesh]) -> int:
+  """Over how many ranks the batch the loop runs on is tiled: the parameters
+  its batch carries are computed from, where one tiles a dim of the batch's
+  extent (tokens, labels over "dp").  Each such rank runs its own
+  microbatches, so piece m is microbatch m of every tile.  1 if none, or if
+  they disagree."""
+  if mesh is None or not layouts:
+    return 1
+  j, d = next(iter(dims.items()))
+  extent, sizes = loop.operands[j].shape[d], dict(mesh.axes)
+  index = {p.id: i for i, p in enumerate(graph.params)}
+  found, seen, stack = set(), set(), [loop.operands[j] for j in dims]
+  while stack:
+    v = stack.pop()
+    if v.id in seen:
+      continue
+    seen.add(v.id)
+    if v.id in index:
+      layout = layouts[index[v.id]] if index[v.id] < len(layouts) else None
+      for k, axes in enumerate(layout.dims if layout is not None else ()):
+        if axes and v.shape[k] == extent:
+          found.add(math.prod(sizes.get(a, 0) for a in axes))
+    elif v.producer is not None:
+      stack.extend(v.producer.operands)
+  return found.pop() if len(found) == 1 and min(found) > 0 else 1
 
 def _condition_reads(cond: ir.Graph, carries: set[int]) -> bool:
   read = {v.id for op in cond.walk() for v in op.operands} | {v.id for v in cond.results}
@@ -403,23 +441,54 @@ def _piece_body(module: ir.Module, body: ir.Graph, batch: _BatchDims,
   return out
 
 
-def _piece_of_concatenation(whole: ir.Value, d: int, pieces: int,
+def _piece_of_concatenation(whole: ir.Value, d: int, pieces: int, tiles: int,
                              m: int) -> Optional[ir.Value]:
-  """Piece ``m`` of ``whole`` cut along ``d``, if ``whole`` concatenates
-  ``pieces`` equal pieces along it (rather than a slice of that)."""
+  """Piece ``m`` of ``whole`` cut along ``d`` (``_split``'s pieces, each
+  ``tiles`` blocks), if ``whole`` is put together from such pieces: their
+  concatenation, or with ``tiles`` > 1 each tile's blocks of every piece in
+  turn (rather than a slice of that)."""
   op = whole.producer
   if op is None or op.name != "concatenate" or op.attrs["dimension"] != d or \
-      len(op.operands) != pieces:
+      len(op.operands) != pieces * tiles:
     return None
-  return op.operands[m] if all(v.shape[d] * pieces == whole.shape[d]
-                               for v in op.operands) else None
+  blocks = [op.operands[r * pieces + m] for r in range(tiles)]
+  if tiles == 1:
+    return blocks[0] if all(v.shape[d] * pieces == whole.shape[d] for v in op.operands) \
+        else None
+  sources = {block_source(v, d, r) for r, v in enumerate(blocks)}
+  if len(sources) != 1 or None in sources:
+    return None
+  (source,) = sources
+  return source if source.shape[d] * pieces == whole.shape[d] else None
+
+
+def _broadcast_scalar(v: ir.Value) -> Optional[ir.Value]:
+  """The scalar ``v`` broadcasts (a zero-initialized buffer), if it does."""
+  op = v.producer
+  if op is None or op.name != "broadcast_in_dim" or op.operands[0].type.rank:
+    return None
+  return op.operands[0]
+
+
+def _rows(module: ir.Module, x: ir.Value, d: int, lo: int, hi: int, location) -> ir.Op:
+  starts, limits = [0] * x.type.rank, list(x.shape)
+  starts[d], limits[d] = lo, hi
+  shape = list(x.shape)
+  shape[d] = hi - lo
+  return _fresh(module, "slice", [x], {"start_indices": tuple(starts),
+                                       "limit_indices": tuple(limits),
+                                       "strides": (1,) * x.type.rank},
+                tuple(shape), x.type.dtype, location)
 
 
 def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int],
-           pieces: int, batch: _BatchDims) -> None:
+           pieces: int, tiles: int, batch: _BatchDims) -> None:
   """``loop`` replaced by ``pieces`` loops, one a microbatch; the slices
   cutting them and the loops are named in ``graph.microbatch_slices`` and
-  ``graph.microbatch_pieces`` (for a report)."""
+  ``graph.microbatch_pieces`` (for a report).  With the batch tiled over
+  ``tiles`` data-parallel ranks, piece m is microbatch m of every tile: its
+  rows of each tile, concatenated, and the results are put back tile by
+  tile."""
   if not hasattr(graph, "microbatch_slices"):
     graph.microbatch_slices = {}  # type: ignore[attr-defined]
     graph.microbatch_pieces = {}  # type: ignore[attr-defined]
@@ -428,28 +497,37 @@ def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int]
   cond, body = loop.regions
   firsts, cut_results = None, {j: [] for j in dims}
   piece_results: list[list[ir.Value]] = []
+  of_tiles = f" of each of {tiles} data-parallel tiles" if tiles > 1 else ""
   for m in range(pieces):
     operands = list(loop.operands)
     for j, d in dims.items():
       whole = loop.operands[j]
-      piece = _piece_of_concatenation(whole, d, pieces, m)
+      piece = _piece_of_concatenation(whole, d, pieces, tiles, m)
       if piece is not None:  # a loop split before feeds this one (the forward, its transpose)
         operands[j] = piece
         continue
-      size = whole.shape[d] // pieces
-      starts = [0] * whole.type.rank
-      limits = list(whole.shape)
-      starts[d], limits[d] = m * size, (m + 1) * size
-      new_ops.append(_fresh(module, "slice", [whole],
-                            {"start_indices": tuple(starts), "limit_indices": tuple(limits),
-                             "strides": (1,) * whole.type.rank},
-                            _cut_type(whole.type, d, pieces).shape, whole.type.dtype,
-                            loop.location))
+      size, tile = whole.shape[d] // (pieces * tiles), whole.shape[d] // tiles
+      scalar = _broadcast_scalar(whole)
+      if tiles > 1 and scalar is not None:  # every piece the same splat: made at its shape
+        new_ops.append(_fresh(module, "broadcast_in_dim", [scalar], {"broadcast_dimensions": ()},
+                              _cut_type(whole.type, d, pieces).shape, whole.type.dtype,
+                              loop.location))
+        operands[j] = new_ops[-1].results[0]
+        continue
+      blocks = []
+      for r in range(tiles):
+        lo = r * tile + m * size
+        new_ops.append(_rows(module, whole, d, lo, lo + size, loop.location))
+        blocks.append(new_ops[-1].results[0])
+        graph.microbatch_slices[id(new_ops[-1])] = (  # type: ignore[attr-defined]
+            f"rows {lo}:{lo + size} along dim {d} are microbatch {m} of {pieces}{of_tiles} the "
+            f"sequential loop at {loop.location} runs on, split as the per-device program "
+            f"runs that loop (microbatch_loops.py)")
+      if tiles > 1:
+        new_ops.append(_fresh(module, "concatenate", blocks, {"dimension": d},
+                              _cut_type(whole.type, d, pieces).shape, whole.type.dtype,
+                              loop.location))
       operands[j] = new_ops[-1].results[0]
-      graph.microbatch_slices[id(new_ops[-1])] = (  # type: ignore[attr-defined]
-          f"rows {starts[d]}:{limits[d]} along dim {d} are microbatch {m} of {pieces} the "
-          f"sequential loop at {loop.location} runs on, split as the per-device program "
-          f"runs that loop (microbatch_loops.py)")
     piece_cond = clone_region(module, cond, {})
     for j, d in dims.items():
       piece_cond.params[j].type = operands[j].type
@@ -458,16 +536,23 @@ def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int]
     piece.results = [module.new_value(v.type, piece, r) for r, v in enumerate(operands)]
     new_ops.append(piece)
     graph.microbatch_pieces[id(piece)] = (  # type: ignore[attr-defined]
-        f"microbatch {m} of the {pieces} the sequential loop at {loop.location} runs on "
-        f"(microbatch_loops.py)")
+        f"microbatch {m}{of_tiles} of the {pieces} the sequential loop at {loop.location} "
+        f"runs on (microbatch_loops.py)")
     firsts = firsts or piece.results
     piece_results.append(piece.results)
     for j in dims:
       cut_results[j].append(piece.results[j])
   results = list(firsts)
   for j, d in dims.items():
-    whole = loop.results[j]
-    new_ops.append(_fresh(module, "concatenate", cut_results[j], {"dimension": d},
+    whole, blocks = loop.results[j], cut_results[j]
+    if tiles > 1:  # each tile's block of every piece in turn
+      size = whole.shape[d] // (pieces * tiles)
+      blocks = []
+      for r in range(tiles):
+        for res in cut_results[j]:
+          new_ops.append(_rows(module, res, d, r * size, (r + 1) * size, loop.location))
+          blocks.append(new_ops[-1].results[0])
+    new_ops.append(_fresh(module, "concatenate", blocks, {"dimension": d},
                           whole.shape, whole.type.dtype, loop.location))
     results[j] = new_ops[-1].results[0]
   for j in sorted(batch.summed_carries):

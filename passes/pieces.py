@@ -135,6 +135,18 @@ def partner_dim(op: ir.Op, k: int, d: int, j: int) -> Optional[int]:
   return None
 
 
+def block_source(v: ir.Value, d: int, r: int) -> Optional[ir.Value]:
+  """``x`` if ``v`` is block ``r`` of ``x`` along ``d`` (rows r*n .. r*n + n,
+  every other dim whole)."""
+  op = v.producer
+  if op is None or op.name != "slice" or any(s != 1 for s in op.attrs["strides"]):
+    return None
+  x, n = op.operands[0], v.shape[d]
+  for k, (lo, hi) in enumerate(zip(op.attrs["start_indices"], op.attrs["limit_indices"])):
+    if (lo, hi) != ((r * n, r * n + n) if k == d else (0, x.shape[k])):
+      return None
+  return x
+
 class Pieces:
   """The splits of one inference run (``inf``: a ``RelationInference``)."""
 
@@ -217,28 +229,69 @@ class Pieces:
            for user in inf.users.get(r.cls, ())):
       return  # the program does put them together, elsewhere or otherwise: report it here
     d = op.attrs["dimension"]
-    self.splits[op.results[0].id] = Split(d, (), tuple(v.shape[d] for v in op.operands),
-                                          tuple(op.operands))
+    self.splits[op.results[0].id] = self._tiled_blocks(op) or \
+        Split(d, (), tuple(v.shape[d] for v in op.operands), tuple(op.operands))
+
+  def _tiled_blocks(self, op: ir.Op) -> Optional[Split]:
+    """The split of a concatenation of each tile's block of every piece in
+    turn: block r of piece m at ``r * K + m`` (``microbatch_loops.py`` puts a
+    data-parallel rank's microbatches back so), the pieces related as tiles
+    over axes of as many ranks as there are blocks each."""
+    d, n = op.attrs["dimension"], len(op.operands)
+    for tiles in range(2, n // 2 + 1):
+      if n % tiles:
+        continue
+      k = n // tiles
+      terms = []
+      for m in range(k):
+        sources = {block_source(op.operands[r * k + m], d, r) for r in range(tiles)}
+        if len(sources) != 1 or None in sources:
+          break
+        terms.append(sources.pop())
+      else:
+        for r0 in self.inf.whole_relations(terms[0]):
+          axes = tuple(r0.layout.dims[d])
+          if axes and r0.layout.is_plain() and \
+              math.prod(self.inf.mesh.axis_size(a) for a in axes) == tiles and all(
+                  any(r.layout.is_plain() and tuple(r.layout.dims[d]) == axes
+                      for r in self.inf.whole_relations(t)) for t in terms):
+            return Split(d, axes, tuple(t.shape[d] // tiles for t in terms), tuple(terms))
+    return None
 
   def taken(self, op: ir.Op) -> None:
-    """A static slice of a split tiled over no axis, taking exactly the rows
-    of one piece along the split dim and all of every other dim: that piece."""
+    """A static slice of a split taking exactly the rows of one piece in one
+    tile along the split dim, and all of every other dim: that piece, or
+    (tiled over axes) its rows of that tile."""
     from graphguard_hlo.passes.inference import Relation
     split = self.splits.get(op.operands[0].id)
-    if split is None or split.axes or op.name != "slice":
+    if split is None or op.name != "slice":
       return
     start, limit = op.attrs["start_indices"], op.attrs["limit_indices"]
     strides = op.attrs.get("strides") or (1,) * len(start)
-    shape = op.operands[0].shape
+    shape, d = op.operands[0].shape, split.dim
     if any(x != 1 for x in strides) or any(
-        (start[k], limit[k]) != (0, shape[k]) for k in range(len(shape)) if k != split.dim):
+        (start[k], limit[k]) != (0, shape[k]) for k in range(len(shape)) if k != d):
       return
+    tile = sum(split.sizes)
+    r, lo = divmod(start[d], tile)
     bounds = [sum(split.sizes[:m]) for m in range(len(split.sizes) + 1)]
-    if (start[split.dim], limit[split.dim]) not in zip(bounds, bounds[1:]):
+    if (lo, lo + limit[d] - start[d]) not in zip(bounds, bounds[1:]) or \
+        (not split.axes and r):
       return
-    piece = split.terms[bounds.index(start[split.dim])]
-    for r in self.inf.whole_relations(piece):
-      self.inf.add_relation(op.results[0], Relation(r.cls, r.layout, "piece-taken"))
+    m = bounds.index(lo)
+    piece = split.terms[m]
+    if split.axes:  # rows r*size .. r*size + size of the piece (T_m holds each tile's rows)
+      size = split.sizes[m]
+      starts, limits = [0] * len(shape), list(piece.shape)
+      starts[d], limits[d] = r * size, (r + 1) * size
+      rows = ir.Op("slice", [piece], {"start_indices": tuple(starts),
+                                      "limit_indices": tuple(limits),
+                                      "strides": (1,) * len(shape)}, [], op.location)
+      rows.results = [self.inf.new_term(op.results[0].type)]
+      self.inf.step(rows)
+      piece = rows.results[0]
+    for rel in self.inf.whole_relations(piece):
+      self.inf.add_relation(op.results[0], Relation(rel.cls, rel.layout, "piece-taken"))
 
   # -- row by row ---------------------------------------------------------------
   def apply(self, op: ir.Op) -> None:
