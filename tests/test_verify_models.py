@@ -215,6 +215,10 @@ _DIAGNOSES: dict[str, str] = {
         "this loop runs on microbatch 0 of the 4 the sequential loop at",
     "llama3/pp_1f1b_scan_grad/shard_map/cotangent_forward":
         "activations or their cotangents passed to the wrong stage?",
+    "gpt2/dp_pp_tp_1f1b_buffered_scan_grad/shard_map/stale_input":
+        "this loop runs on microbatch 0 of each of 2 data-parallel tiles of the 4",
+    "llama3/dp_pp_tp_1f1b_buffered_scan_grad/shard_map/loss_summed_over_dp":
+        "2 times the sequential one (summed over 2 = |dp| or |pp| or |tp| ranks",
     "gpt2/pp_interleaved_1f1b_scan_grad/shard_map/depth_first":
         "this loop runs on microbatch 0 of the 4 the sequential loop at",
     "gpt2/pp_interleaved_1f1b_scan_grad/shard_map/chunk_of_step":

@@ -2028,6 +2028,18 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_interleaved_case("gpt2", cfg, "loss_summed_over_dp", "loss_wrong_scale",
                                    "output", mesh="dp_pp_tp", indexed=True,
                                    par=_tp_par(combine=_psum_of_mean("dp"))))
+    # ... 1F1B with scanned stages: a dp rank's microbatch m is every tile's
+    # block m, cut and put back tile by tile (microbatch_loops.py).  The
+    # stale saved input is met at microbatch 0's loop; the loss summed over
+    # "dp" where the backward loop writes a weight's gradient row.
+    for model in MODELS:
+      built.append(_one_f_one_b_case(model, cfg, mesh="dp_pp_tp", buffered=True, scan=True))
+    built.append(_one_f_one_b_case("gpt2", cfg, mesh="dp_pp_tp", scan=True))
+    built.append(_one_f_one_b_case("gpt2", cfg, "stale_input", "stale_activation", "while",
+                                   mesh="dp_pp_tp", buffered=True, scan=True))
+    built.append(_one_f_one_b_case("llama3", cfg, "loss_summed_over_dp", "loss_wrong_scale",
+                                   "dynamic_update_slice", mesh="dp_pp_tp", buffered=True,
+                                   scan=True, par=_tp_par(combine=_psum_of_mean("dp"))))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
   # attention's partial sums reduced over ("pp", "tp") add another stage's
   # microbatch: reported at the residual add, in the all-reduce's words.
