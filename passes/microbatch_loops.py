@@ -451,11 +451,12 @@ def _piece_of_concatenation(whole: ir.Value, d: int, pieces: int, tiles: int,
   if op is None or op.name != "concatenate" or op.attrs["dimension"] != d or \
       len(op.operands) != pieces * tiles:
     return None
+  if any(v.shape[d] * pieces * tiles != whole.shape[d] for v in op.operands):
+    return None  # blocks of one size only: else operand m is not piece m's rows
   blocks = [op.operands[r * pieces + m] for r in range(tiles)]
   if tiles == 1:
-    return blocks[0] if all(v.shape[d] * pieces == whole.shape[d] for v in op.operands) \
-        else None
-  sources = {block_source(v, d, r) for r, v in enumerate(blocks)}
+    return blocks[0]
+  sources = {block_source(v, d, r, tiles) for r, v in enumerate(blocks)}
   if len(sources) != 1 or None in sources:
     return None
   (source,) = sources

@@ -135,17 +135,20 @@ def partner_dim(op: ir.Op, k: int, d: int, j: int) -> Optional[int]:
   return None
 
 
-def block_source(v: ir.Value, d: int, r: int) -> Optional[ir.Value]:
-  """``x`` if ``v`` is block ``r`` of ``x`` along ``d`` (rows r*n .. r*n + n,
-  every other dim whole)."""
+def block_source(v: ir.Value, d: int, r: int, tiles: int) -> Optional[ir.Value]:
+  """``x`` if ``v`` is block ``r`` of ``tiles`` equal blocks of ``x`` along
+  ``d`` (rows r*n .. r*n + n of ``tiles * n``, every other dim whole)."""
   op = v.producer
   if op is None or op.name != "slice" or any(s != 1 for s in op.attrs["strides"]):
     return None
   x, n = op.operands[0], v.shape[d]
+  if x.shape[d] != tiles * n:
+    return None  # a block of something larger: not one of its tiles
   for k, (lo, hi) in enumerate(zip(op.attrs["start_indices"], op.attrs["limit_indices"])):
     if (lo, hi) != ((r * n, r * n + n) if k == d else (0, x.shape[k])):
       return None
   return x
+
 
 class Pieces:
   """The splits of one inference run (``inf``: a ``RelationInference``)."""
@@ -239,12 +242,12 @@ class Pieces:
     over axes of as many ranks as there are blocks each."""
     d, n = op.attrs["dimension"], len(op.operands)
     for tiles in range(2, n // 2 + 1):
-      if n % tiles:
-        continue
+      if n % tiles or any(v.shape[d] * n != op.results[0].shape[d] for v in op.operands):
+        continue  # (blocks of one size: a piece's rows are the same in every tile)
       k = n // tiles
       terms = []
       for m in range(k):
-        sources = {block_source(op.operands[r * k + m], d, r) for r in range(tiles)}
+        sources = {block_source(op.operands[r * k + m], d, r, tiles) for r in range(tiles)}
         if len(sources) != 1 or None in sources:
           break
         terms.append(sources.pop())

@@ -396,3 +396,29 @@ def test_data_parallel_microbatches_fill_a_zero_buffer_each():
                        out_specs=spec(None, "dp"))
   result = gg.verify(_saving, dist, *_DP_ARGS)
   assert result.refines, result
+
+
+def test_a_carry_concatenated_from_uneven_blocks_is_not_read_as_pieces():
+  """An audit's false proof: a batch carry put together from blocks of two
+  sizes, X's 1-row blocks and Q's 3-row ones, was taken as X's pieces (every
+  operand m of a tile's blocks a block of X) though its rows are X0, Q0:3,
+  X1, Q3:6."""
+  import graphguard_hlo as gg
+  spec = jax.sharding.PartitionSpec
+
+  def loop(h, z, ws):
+    return lax.scan(lambda c, w: ((jnp.tanh(c[0] @ w) + c[1], jnp.sin(c[1])), None),
+                    (h, z), ws)[0][0]
+
+  def seq(x, q, z, ws):
+    return loop(jnp.concatenate([x[0:1], q[0:3], x[1:2], q[3:6]]), z, ws)
+
+  def per_device(x, q, z, ws):
+    return jnp.concatenate([loop(x, z[0:2], ws), loop(q[1:3], z[2:4], ws)])
+  dist = jax.shard_map(per_device, mesh=DP_MESH, in_specs=(spec("dp"),) * 3 + (spec(),),
+                       out_specs=spec("dp"), check_vma=False)
+  rng = np.random.default_rng(3)
+  args = [rng.standard_normal(s).astype(np.float32) for s in ((4, 4), (6, 4), (8, 4))]
+  args.append((rng.standard_normal((2, 4, 4)) / 2).astype(np.float32))
+  assert not np.allclose(jax.jit(dist)(*args), jax.jit(seq)(*args))
+  assert not gg.verify(seq, dist, *args).refines

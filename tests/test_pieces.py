@@ -210,3 +210,32 @@ def test_a_sequential_concatenation_of_pieces_read_otherwise_is_not_proved(name)
 def _abstract(*args):
   from graphguard_hlo.api import _abstract_args
   return _abstract_args(args, MESH, (P(), P()))
+
+
+# A concatenation of each tile's block of every piece in turn (how
+# microbatch_loops.py puts a data-parallel rank's microbatches back) is a
+# split tiled over "dp"; a slice of one tile's block of a piece is that
+# piece's rows there.  Only blocks that are exactly a source's tiles: an
+# audit's false proof read rows of a 4-row source, cut in 1-row blocks, as
+# its 2-row tiles.
+DP2 = mesh_of((2,), ("dp",))
+
+
+@pytest.mark.parametrize("block, proved", [(2, True), (1, False)])
+def test_each_tiles_block_of_every_piece_is_a_tiled_split(block, proved):
+  def seq(a, b):
+    n = block
+    c = jnp.concatenate([a[0:n], b[0:n], a[n:2 * n], b[n:2 * n]])
+    return c[0:2], a[0:n], b[0:n], a[n:2 * n], b[n:2 * n]
+
+  def per_device(a, b):
+    ga, gb = lax.all_gather(a, "dp", tiled=True), lax.all_gather(b, "dp", tiled=True)
+    n = block
+    return ga[0:2], ga[0:n], gb[0:n], ga[n:2 * n], gb[n:2 * n]
+  dist = shard_map(per_device, mesh=DP2, in_specs=(P("dp"), P("dp")), out_specs=(P(),) * 5,
+                   check_vma=False)
+  rng = np.random.default_rng(0)
+  a, b = (rng.standard_normal((4, 8)).astype(np.float32) for _ in range(2))
+  agree = all(np.allclose(p, q) for p, q in zip(jax.jit(seq)(a, b), jax.jit(dist)(a, b)))
+  assert agree == proved
+  assert verify(seq, dist, a, b).refines == proved
