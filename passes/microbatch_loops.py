@@ -133,7 +133,9 @@ def _batch_tiles(graph: ir.Graph, loop: ir.Op, dims: dict[int, int],
   its batch carries are computed from, where one tiles a dim of the batch's
   extent (tokens, labels over "dp").  Each such rank runs its own
   microbatches, so piece m is microbatch m of every tile.  1 if none, or if
-  they disagree."""
+  they disagree.  Through another loop's result only to that carry's
+  initial value: the loop's weights (a stack of as many layers as rows,
+  tiled over stages) say nothing of the batch."""
   if mesh is None or not layouts:
     return 1
   j, d = next(iter(dims.items()))
@@ -150,6 +152,8 @@ def _batch_tiles(graph: ir.Graph, loop: ir.Op, dims: dict[int, int],
       for k, axes in enumerate(layout.dims if layout is not None else ()):
         if axes and v.shape[k] == extent:
           found.add(math.prod(sizes.get(a, 0) for a in axes))
+    elif v.producer is not None and v.producer.name == "while":
+      stack.append(v.producer.operands[v.index])
     elif v.producer is not None:
       stack.extend(v.producer.operands)
   return found.pop() if len(found) == 1 and min(found) > 0 else 1

@@ -2040,32 +2040,24 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_one_f_one_b_case("llama3", cfg, "loss_summed_over_dp", "loss_wrong_scale",
                                    "dynamic_update_slice", mesh="dp_pp_tp", buffered=True,
                                    scan=True, par=_tp_par(combine=_psum_of_mean("dp"))))
-  # GPipe with Megatron TP inside each of 2 stages, forward and backward; the
-  # attention's partial sums reduced over ("pp", "tp") add another stage's
-  # microbatch: reported at the residual add, in the all-reduce's words.
-  for model in MODELS:
-    built.append(_shard_map_case(model, PP_TP_GPIPE, cfg, "ok", PP_TP_GPIPE.par()))
-    if grad:
-      built.append(_shard_map_grad_case(model, PP_TP_GPIPE, cfg))
-  built.append(_shard_map_case(
-      "gpt2", PP_TP_GPIPE, cfg, "wrong_replica_groups",
-      dataclasses.replace(_tp_par(lambda axis: _psum(("pp", axis))),
-                          run_stack=_gpipe_stages("pp", 4)),
-      "wrong_replica_groups", "add"))
-  # ... each stage scanning its layers: each microbatch's piece of the
+  # GPipe with Megatron TP inside each of 2 stages, forward and backward, and
+  # with each stage scanning its layers (each microbatch's piece of the
   # sequential loop has for partner a loop holding the stage's weights tiled
-  # by "tp" (microbatch_loops.py).  Bugs: the wrong replica groups met at the
-  # residual add inside stage 0's loop; trained with the checker off, the
-  # cotangent doubled where the backward loop's residual add meets it.
-  for model in MODELS:
-    built.append(_shard_map_case(model, PP_TP_GPIPE_SCAN, cfg, "ok", PP_TP_GPIPE_SCAN.par()))
-    if grad:
-      built.append(_shard_map_grad_case(model, PP_TP_GPIPE_SCAN, cfg))
-  built.append(_shard_map_case(
-      "gpt2", PP_TP_GPIPE_SCAN, cfg, "wrong_replica_groups",
-      dataclasses.replace(_tp_par(lambda axis: _psum(("pp", axis))),
-                          run_stack=_gpipe_stages("pp", 4, scan=True)),
-      "wrong_replica_groups", "add"))
+  # by "tp", microbatch_loops.py).  The attention's partial sums reduced over
+  # ("pp", "tp") add another stage's microbatch: reported at the residual add
+  # (scanned: inside stage 0's loop), in the all-reduce's words.  Trained with
+  # the checker off, the scanned stages' cotangent is doubled where the
+  # backward loop's residual add meets it.
+  for strategy, scan in ((PP_TP_GPIPE, False), (PP_TP_GPIPE_SCAN, True)):
+    for model in MODELS:
+      built.append(_shard_map_case(model, strategy, cfg, "ok", strategy.par()))
+      if grad:
+        built.append(_shard_map_grad_case(model, strategy, cfg))
+    built.append(_shard_map_case(
+        "gpt2", strategy, cfg, "wrong_replica_groups",
+        dataclasses.replace(_tp_par(lambda axis: _psum(("pp", axis))),
+                            run_stack=_gpipe_stages("pp", 4, scan=scan)),
+        "wrong_replica_groups", "add"))
   if grad:
     built.append(_shard_map_grad_case("llama3", PP_TP_GPIPE_SCAN, cfg, "double_counted_grad",
                                       check_vma=False, bug="double_counted_grad",
