@@ -39,6 +39,14 @@ holds the stage's weights tiled.  The batch is then the extent some carries
 are cut from and to that the body keeps apart (``_microbatch_cuts`` lists
 each candidate, ``_BatchDims`` accepts or refuses it), and the pieces keep
 the weights whole for ``loops.py`` to prove the tiling.
+
+With the batch tiled over data-parallel ranks too, each rank runs its own
+tile's microbatches: fewer loops than the batch has blocks.  Piece m is then
+block m of every tile, its rows of each tile concatenated, and the results
+are put back tile by tile (``_batch_tiles`` reads the ranks off the
+parameters' layouts; ``pieces.py`` reads the reassembly as a split tiled over
+them).  Any partition of the rows serves the rewrite itself: a wrong count
+costs the proof, not its soundness.
 """
 
 from __future__ import annotations
@@ -126,7 +134,6 @@ def _microbatch_cuts(loop: ir.Op, partner: ir.Op) -> list[tuple[tuple[tuple[int,
   return cuts
 
 
-
 def _batch_tiles(graph: ir.Graph, loop: ir.Op, dims: dict[int, int],
                  layouts: Sequence[Optional[Layout]], mesh: Optional[ir.Mesh]) -> int:
   """Over how many ranks the batch the loop runs on is tiled: the parameters
@@ -157,6 +164,7 @@ def _batch_tiles(graph: ir.Graph, loop: ir.Op, dims: dict[int, int],
     elif v.producer is not None:
       stack.extend(v.producer.operands)
   return found.pop() if len(found) == 1 and min(found) > 0 else 1
+
 
 def _condition_reads(cond: ir.Graph, carries: set[int]) -> bool:
   read = {v.id for op in cond.walk() for v in op.operands} | {v.id for v in cond.results}
