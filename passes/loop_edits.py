@@ -4,7 +4,10 @@ which carries are dead.  Shared by the loop normal forms (``remat.py``,
 
 from __future__ import annotations
 
+from typing import Optional
+
 from graphguard_hlo import ir
+from graphguard_hlo.passes.canonicalize import _fresh, drop_dead_ops
 
 EFFECTS = {"custom_call", "outfeed", "infeed", "send", "recv", "rng", "rng_bit_generator"}
 # Ops a loop rewrite never copies: effects, and loops (a copy would need its
@@ -104,7 +107,6 @@ def drop_dead_carries(loop: ir.Op, used_outside: set[int]) -> int:
   (nor the condition, nor an op with effects) is computed from; returns how
   many.  The ops only they read go too: left in the body they would read the
   dropped parameters, values no longer defined there."""
-  from graphguard_hlo.passes.canonicalize import drop_dead_ops
   cond, body = loop.regions
   live = needed_carries(loop, {j for j, r in enumerate(loop.results) if r.id in used_outside})
   carries = len(loop.results)
@@ -125,3 +127,25 @@ def drop_dead_carries(loop: ir.Op, used_outside: set[int]) -> int:
   for region in (cond, body):
     drop_dead_ops(region)
   return carries - len(keep)
+
+
+def rows(module: ir.Module, x: ir.Value, d: int, lo: int, hi: int,
+         location: ir.Location) -> ir.Op:
+  """A fresh slice of rows lo .. hi - 1 of ``x`` along ``d``, every other dim whole."""
+  starts, limits, shape = [0] * x.type.rank, list(x.shape), list(x.shape)
+  starts[d], limits[d], shape[d] = lo, hi, hi - lo
+  return _fresh(module, "slice", [x], {"start_indices": tuple(starts),
+                                       "limit_indices": tuple(limits),
+                                       "strides": (1,) * x.type.rank},
+                tuple(shape), x.type.dtype, location)
+
+
+def splat_at(module: ir.Module, x: ir.Value, shape: tuple,
+             location: ir.Location) -> Optional[ir.Op]:
+  """``x``'s splat made afresh at ``shape``, if ``x`` broadcasts a scalar (a
+  zero-initialized stack): any rows of it, as a splat the passes read."""
+  p = x.producer
+  if p is None or p.name != "broadcast_in_dim" or p.operands[0].type.rank:
+    return None
+  return _fresh(module, "broadcast_in_dim", [p.operands[0]], {"broadcast_dimensions": ()},
+                tuple(shape), x.type.dtype, location)

@@ -32,7 +32,8 @@ from typing import Optional
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes.canonicalize import _fresh
 from graphguard_hlo.passes.loop_copies import counter_of
-from graphguard_hlo.passes.loop_edits import clone_region, cone, invariant, replace_uses
+from graphguard_hlo.passes.loop_edits import (clone_region, cone, invariant, replace_uses, rows,
+                                              splat_at)
 from graphguard_hlo.passes.terms import splat_value
 
 
@@ -244,17 +245,8 @@ def _block(module: ir.Module, ops: list[ir.Op], stack: ir.Value, start: int, k: 
            location: ir.Location) -> ir.Value:
   """Rows start .. start + k - 1 of ``stack``; of a splat (a zero-initialized
   stack), the same splat."""
-  shape = stack.shape
-  block = ir.TensorType((k,) + tuple(shape[1:]), stack.type.dtype)
-  p = stack.producer
-  if p is not None and p.name == "broadcast_in_dim" and p.operands[0].type.rank == 0:
-    ops.append(_fresh(module, "broadcast_in_dim", [p.operands[0]],
-                      {"broadcast_dimensions": ()}, block.shape, block.dtype, location))
-    return ops[-1].results[0]
-  ops.append(_fresh(module, "slice", [stack],
-                    {"start_indices": (start,) + (0,) * (len(shape) - 1),
-                     "limit_indices": (start + k,) + tuple(shape[1:]),
-                     "strides": (1,) * len(shape)}, block.shape, block.dtype, location))
+  ops.append(splat_at(module, stack, (k,) + tuple(stack.shape[1:]), location)
+             or rows(module, stack, 0, start, start + k, location))
   return ops[-1].results[0]
 
 

@@ -60,7 +60,7 @@ from graphguard_hlo import ir
 from graphguard_hlo.passes.canonicalize import _fresh
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.lemmas import ELEMENTWISE
-from graphguard_hlo.passes.loop_edits import clone_region, replace_uses
+from graphguard_hlo.passes.loop_edits import clone_region, replace_uses, rows, splat_at
 from graphguard_hlo.passes.pieces import block_source
 from graphguard_hlo.passes.terms import is_zero, splat_value, sums_from_zero
 
@@ -471,27 +471,7 @@ def _piece_of_concatenation(whole: ir.Value, d: int, pieces: int, tiles: int,
   sources = {block_source(v, d, r, tiles) for r, v in enumerate(blocks)}
   if len(sources) != 1 or None in sources:
     return None
-  (source,) = sources
-  return source if source.shape[d] * pieces == whole.shape[d] else None
-
-
-def _broadcast_scalar(v: ir.Value) -> Optional[ir.Value]:
-  """The scalar ``v`` broadcasts (a zero-initialized buffer), if it does."""
-  op = v.producer
-  if op is None or op.name != "broadcast_in_dim" or op.operands[0].type.rank:
-    return None
-  return op.operands[0]
-
-
-def _rows(module: ir.Module, x: ir.Value, d: int, lo: int, hi: int, location) -> ir.Op:
-  starts, limits = [0] * x.type.rank, list(x.shape)
-  starts[d], limits[d] = lo, hi
-  shape = list(x.shape)
-  shape[d] = hi - lo
-  return _fresh(module, "slice", [x], {"start_indices": tuple(starts),
-                                       "limit_indices": tuple(limits),
-                                       "strides": (1,) * x.type.rank},
-                tuple(shape), x.type.dtype, location)
+  return sources.pop()
 
 
 def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int],
@@ -520,17 +500,16 @@ def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int]
         operands[j] = piece
         continue
       size, tile = whole.shape[d] // (pieces * tiles), whole.shape[d] // tiles
-      scalar = _broadcast_scalar(whole)
-      if tiles > 1 and scalar is not None:  # every piece the same splat: made at its shape
-        new_ops.append(_fresh(module, "broadcast_in_dim", [scalar], {"broadcast_dimensions": ()},
-                              _cut_type(whole.type, d, pieces).shape, whole.type.dtype,
-                              loop.location))
-        operands[j] = new_ops[-1].results[0]
+      splat = splat_at(module, whole, _cut_type(whole.type, d, pieces).shape,
+                       loop.location) if tiles > 1 else None
+      if splat is not None:  # every piece the same splat: made at its shape
+        new_ops.append(splat)
+        operands[j] = splat.results[0]
         continue
       blocks = []
       for r in range(tiles):
         lo = r * tile + m * size
-        new_ops.append(_rows(module, whole, d, lo, lo + size, loop.location))
+        new_ops.append(rows(module, whole, d, lo, lo + size, loop.location))
         blocks.append(new_ops[-1].results[0])
         graph.microbatch_slices[id(new_ops[-1])] = (  # type: ignore[attr-defined]
             f"rows {lo}:{lo + size} along dim {d} are microbatch {m} of {pieces}{of_tiles} the "
@@ -563,7 +542,7 @@ def _split(module: ir.Module, graph: ir.Graph, loop: ir.Op, dims: dict[int, int]
       blocks = []
       for r in range(tiles):
         for res in cut_results[j]:
-          new_ops.append(_rows(module, res, d, r * size, (r + 1) * size, loop.location))
+          new_ops.append(rows(module, res, d, r * size, (r + 1) * size, loop.location))
           blocks.append(new_ops[-1].results[0])
     new_ops.append(_fresh(module, "concatenate", blocks, {"dimension": d},
                           whole.shape, whole.type.dtype, loop.location))
