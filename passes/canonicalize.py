@@ -639,7 +639,7 @@ _SLAB_RULES = {"add": (slabs.sum_of_slabs,), "scatter": (slabs.set_rows,),
                "dynamic_update_slice": (slabs.set_rows,),
                "slice": (slabs.slice_of_split_reshape, slabs.slice_past_a_set,
                          slabs.slice_of_slabs, slabs.slice_of_select),
-               "reshape": (slabs.reshape_of_concatenation,), "gather": (slabs.gather_one_window,),
+               "reshape": (slabs.reshape_of_concatenation, slabs.unit_reshape_of_select), "gather": (slabs.gather_one_window,),
                "select": (slabs.select_of_slabs,)}
 
 

@@ -423,3 +423,43 @@ def slice_of_select(module, graph, op, fresh, place, emit) -> Optional[ir.Value]
   sliced = [_sliced(module, graph, fresh, place, v, op.attrs["start_indices"],
                     op.attrs["limit_indices"], op.location) for v in (a, b)]
   return emit(module, graph, op, "select", [p, *sliced], {})
+
+
+def unit_reshape_of_select(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """reshape(select(p, a, b)) dropping or inserting unit dims, p one flag for
+  every element -> select(p, reshape(a), reshape(b)): a chunk's weights read
+  at a row computed from the stage (rank_cases.py: a select over slices of
+  the stack, per rank) squeezed to the layer's shape are the select of the
+  squeezed rows, each the value the sequential rows relate to."""
+  if op.name != "reshape" or op.operands[0].producer is None \
+      or op.operands[0].producer.name != "select":
+    return None
+  if not only_unit_dims_change("reshape", {}, op.operands[0].type, op.results[0].type):
+    return None
+  pred, a, b = op.operands[0].producer.operands
+  shape = op.results[0].shape
+  if splat_value(pred) is not None or not _rows_of_a_parameter(op.operands[0]):
+    return None
+  p = _spread_scalar(module, fresh, place, pred, shape, op.location)
+  if p is None:
+    return None
+  reshaped = [place(fresh(module, "reshape", [v], {}, list(shape), v.type.dtype, op.location))
+              for v in (a, b)]
+  return emit(module, graph, op, "select", [p, *reshaped], {})
+
+
+def _rows_of_a_parameter(v: ir.Value, depth: int = 4) -> bool:
+  """``v`` is a static slice of a parameter, or a select on a flag between
+  such slices: a parameter read at a row computed from the rank."""
+  op = v.producer
+  if op is None or depth == 0:
+    return False
+  if op.name == "slice":
+    return op.operands[0].producer is None
+  return op.name == "select" and _spread_scalar_of(op.operands[0]) and all(
+      _rows_of_a_parameter(x, depth - 1) for x in op.operands[1:])
+
+
+def _spread_scalar_of(v: ir.Value) -> bool:
+  op = v.producer
+  return op is not None and op.name == "broadcast_in_dim" and op.operands[0].type.rank == 0

@@ -209,3 +209,48 @@ def test_a_replicated_weight_read_at_a_tile_offset_stays_a_layout():
   assert any(op.name == "dynamic_slice" for op in program.graph.walk())
   assert not any(op.name == "select" for op in program.graph.walk())
   assert verify(lambda w: w * 3, dist, w, mesh=MESH, in_specs=(P(),)).refines
+
+
+# The same chunk read, each stage scanning its row as a loop of one layer, the
+# stages chained by ppermute: at step 4 + i stage i runs layer i of chunk 1,
+# the other stages rows of chunk 0 (a select per rank on the chunk's row).
+# The sequential scan over chunk 1's 4 layers is split into one loop per
+# stage (loop_split.py), each reading a row of ``w[1]``: its relation is to
+# the squeezed row, so the squeeze is pushed into the select's branches
+# (slabs.unit_reshape_of_select).
+def _layer(h, row):
+  return jnp.tanh(h * row + 1.0), None
+
+
+def _scanned_chunk(chunk):
+  def local(w, x):
+    stage = lax.axis_index("pp")
+    h = lax.pcast(x, ("pp",), to="varying")
+    for i in range(4):
+      row = lax.dynamic_index_in_dim(w, chunk(4 + i, stage), 0, keepdims=False)
+      out, _ = lax.scan(_layer, h, row)
+      h = lax.ppermute(out, "pp", [(j, (j + 1) % 4) for j in range(4)])
+    return lax.psum(jnp.where(stage == 0, h, 0.0), "pp")
+  return shard_map(local, mesh=MESH, in_specs=(P(None, "pp"), P()), out_specs=P())
+
+
+def _scanned_chunk_seq(w, x):
+  return lax.scan(_layer, x, w[1])[0]
+
+
+def test_a_chunk_read_at_a_row_computed_from_the_stage_feeds_each_stages_loop():
+  dist, x = _scanned_chunk(_chunk), jnp.zeros((8,))
+  assert outputs_agree(_scanned_chunk_seq, dist, CHUNKS, x)
+  result, check = verify_and_check(lower_sequential(_scanned_chunk_seq, CHUNKS, x),
+                                   lower_distributed(dist, *_abstract_args(
+                                       (CHUNKS, x), MESH, (P(None, "pp"), P()))))
+  assert result.refines and check.ok, (result, check)
+
+
+def test_a_stage_looping_over_the_other_chunks_row_is_not_proved():
+  dist, x = _scanned_chunk(lambda t, stage: 1 - _chunk(t, stage)), jnp.zeros((8,))
+  assert not outputs_agree(_scanned_chunk_seq, dist, CHUNKS, x)
+  result = verify(_scanned_chunk_seq, dist, CHUNKS, x, mesh=MESH,
+                  in_specs=(P(None, "pp"), P()))
+  assert not result.refines
+  assert result.failure.op_name == "while", result.failure

@@ -331,3 +331,40 @@ def test_a_buffer_updated_at_constant_rows_keeps_its_value(rows, data):
       out = jnp.where(flag > step, new, out) if masked else new
     return [out[j:j + 1] for j in reads] + [out]
   _same_after_canonicalizing(fn, x, flag)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.integers(2, 4), st.integers(1, 3), st.data())
+def test_a_parameter_row_picked_by_flags_squeezed_keeps_its_value(rows, cases, data):
+  """A stack's row picked by nested selects on flags (rank_cases.py's form of
+  a chunk read at a row computed from the stage), squeezed to the row's
+  shape: the same numbers after the squeeze is pushed into the branches, and
+  the result is a select of squeezed rows."""
+  import jax.numpy as jnp
+  picks = data.draw(st.lists(st.integers(0, rows - 1), min_size=cases + 1, max_size=cases + 1))
+  w = np.random.default_rng(rows * 10 + cases).standard_normal((rows, 1, 3)).astype(np.float32)
+  flags = np.array(data.draw(st.lists(st.booleans(), min_size=cases, max_size=cases)))
+
+  def fn(w, flags):
+    picked = w[picks[-1]:picks[-1] + 1]
+    for j in reversed(range(cases)):
+      picked = jnp.where(flags[j], w[picks[j]:picks[j] + 1], picked)
+    return picked.reshape(3)
+  _same_after_canonicalizing(fn, w, flags)
+  m, g = _lowered(fn, w, flags)
+  canonicalize_module(m)
+  top = g.results[0].producer
+  assert top.name == "select" and top.operands[1].producer.name == "reshape", top.name
+
+
+def test_a_squeezed_select_of_computed_values_is_left_alone():
+  """Pushed into a buffer's selects (one per step and rank case) the reshape
+  would be copied into every case: only rows of a parameter are read so."""
+  import jax.numpy as jnp
+
+  def fn(w, flag):
+    return jnp.where(flag, jnp.tanh(w[0:1]), w[1:2]).reshape(3)
+  w = np.zeros((2, 1, 3), np.float32)
+  m, g = _lowered(fn, w, np.bool_(True))
+  canonicalize_module(m)
+  assert g.results[0].producer.name == "reshape"
