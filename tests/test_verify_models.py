@@ -223,6 +223,10 @@ _DIAGNOSES: dict[str, str] = {
         "this loop runs on microbatch 0 of the 4 the sequential loop at",
     "gpt2/pp_interleaved_1f1b_scan_grad/shard_map/chunk_of_step":
         "this loop runs on microbatch 3 of the 4 the sequential loop at",
+    "gpt2/pp_interleaved_1f1b_indexed_scan_grad/shard_map/backward_chunk_not_reversed":
+        "this loop runs on microbatch 0 of the 4 the sequential loop at",
+    "llama3/dp_pp_tp_interleaved_1f1b_indexed_scan_grad/shard_map/loss_summed_over_dp":
+        "2 times the sequential one (summed over 2 = |dp| or |pp| or |tp| ranks",
     "llama3/pp_tp_1f1b_scan_grad/shard_map/wrong_replica_groups":
         "reduces over 'pp', 'tp' but the partial sum is over 'tp' (wrong replica groups",
     "gpt2/pp_tp_1f1b_buffered_scan_grad/shard_map/stale_input":

@@ -2011,14 +2011,21 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     # ... each chunk scanning its layer, on 4 stages and with TP inside on 2:
     # every chunk's loop runs once (its counter 1 after it on every rank,
     # never zero elsewhere: inference.relates).  The bugs above are met at
-    # the sequential loop of the microbatch the schedule skips.
+    # the sequential loop of the microbatch the schedule skips, or (indexed)
+    # whose cotangent the last stage never takes.  Indexed, a stage's chunk
+    # row squeezed to the layer's shape is a select of squeezed rows
+    # (slabs.unit_reshape_of_select): the sequential loop's rows relate to those.
     for model in MODELS:
       built.append(_interleaved_case(model, cfg, scan=True))
+      built.append(_interleaved_case(model, cfg, indexed=True, scan=True))
     built.append(_interleaved_case("gpt2", cfg, mesh="pp_tp", scan=True))
+    built.append(_interleaved_case("gpt2", cfg, mesh="pp_tp", indexed=True, scan=True))
     built.append(_interleaved_case("gpt2", cfg, "depth_first", "microbatch_skipped", "while",
                                    scan=True))
     built.append(_interleaved_case("gpt2", cfg, "chunk_of_step", "wrong_model_chunk", "while",
                                    scan=True))
+    built.append(_interleaved_case("gpt2", cfg, "backward_chunk_not_reversed",
+                                   "wrong_model_chunk", "while", indexed=True, scan=True))
     # 3D: those schedules (their buffered and indexed forms) on each half of
     # the batch, dp x pp x tp.  Bug: each dp rank's loss summed over "dp", not
     # averaged (psum where pmean belongs).
@@ -2028,17 +2035,22 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_interleaved_case("gpt2", cfg, "loss_summed_over_dp", "loss_wrong_scale",
                                    "output", mesh="dp_pp_tp", indexed=True,
                                    par=_tp_par(combine=_psum_of_mean("dp"))))
-    # ... 1F1B with scanned stages: a dp rank's microbatch m is every tile's
-    # block m, cut and put back tile by tile (microbatch_loops.py).  The
-    # stale saved input is met at microbatch 0's loop; the loss summed over
-    # "dp" where the backward loop writes a weight's gradient row.
+    # ... 1F1B with scanned stages (and the interleaved schedule, indexed,
+    # with scanned chunks): a dp rank's microbatch m is every tile's block m,
+    # cut and put back tile by tile (microbatch_loops.py).  The stale saved
+    # input is met at microbatch 0's loop; the loss summed over "dp" where
+    # the backward loop writes a weight's gradient row.
     for model in MODELS:
       built.append(_one_f_one_b_case(model, cfg, mesh="dp_pp_tp", buffered=True, scan=True))
     built.append(_one_f_one_b_case("gpt2", cfg, mesh="dp_pp_tp", scan=True))
+    built.append(_interleaved_case("gpt2", cfg, mesh="dp_pp_tp", indexed=True, scan=True))
     built.append(_one_f_one_b_case("gpt2", cfg, "stale_input", "stale_activation", "while",
                                    mesh="dp_pp_tp", buffered=True, scan=True))
     built.append(_one_f_one_b_case("llama3", cfg, "loss_summed_over_dp", "loss_wrong_scale",
                                    "dynamic_update_slice", mesh="dp_pp_tp", buffered=True,
+                                   scan=True, par=_tp_par(combine=_psum_of_mean("dp"))))
+    built.append(_interleaved_case("llama3", cfg, "loss_summed_over_dp", "loss_wrong_scale",
+                                   "dynamic_update_slice", mesh="dp_pp_tp", indexed=True,
                                    scan=True, par=_tp_par(combine=_psum_of_mean("dp"))))
   # GPipe with Megatron TP inside each of 2 stages, forward and backward, and
   # with each stage scanning its layers (each microbatch's piece of the
