@@ -1,7 +1,9 @@
 """``gg-hlo-verify SEQ DIST``: prove DIST refines SEQ, or say where it does not.
 
 Exit codes: 0 refinement proved; 1 not proved (with the failing op); 2 usage
-or input error (one line: file, line, what is wrong).
+or input error (one line: file, line, what is wrong); 3 with
+``--check-relations``, a proof whose relations do not hold on numbers (a bug
+in graphguard-hlo: the verdict is withdrawn).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
                  help="relations kept per sequential value (default: MAX_RELATIONS_PER_VALUE "
                  "in passes/inference.py); raise it when a report says the cap was reached")
   p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+  p.add_argument("--check-relations", action="store_true",
+                 help="also run both programs on random inputs (every rank simulated on CPU) "
+                 "and hold each relation the proof used against the numbers: a guard on the "
+                 "verifier itself; costs a run of the per-device program per rank")
+  p.add_argument("--seed", type=int, default=0, metavar="N",
+                 help="random inputs' seed for --check-relations (default 0)")
   p.add_argument("--html", metavar="OUT.html", help="also write a self-contained HTML report: "
                  "the verdict and the sequential graph around the failure")
   return p
@@ -84,15 +92,31 @@ def _run(args) -> int:
     result = inference.run()
   finally:
     progress.close()
+  check = None
+  if args.check_relations:
+    from graphguard_hlo.relation_check import check_relations
+    check = check_relations(inference, args.seed)
+  withdrawn = result.refines and check is not None and bool(check.failures)
+  withdrawal = f"{args.dist}: proof withdrawn: its relations fail on numbers"
   if args.format == "json":
-    print(report.to_json(result))
+    print(report.to_json(result, check))
   elif args.quiet:
-    print(report.to_text(result, args.seq, args.dist).splitlines()[0])
+    print(withdrawal if withdrawn else report.to_text(result, args.seq, args.dist).splitlines()[0])
   else:
     print(report.to_text(result, args.seq, args.dist))
+    if check is not None:
+      print(report.relation_check_text(check))
+    if withdrawn:
+      print(withdrawal)
+  if withdrawn:
+    print(f"gg-hlo-verify: internal error: the proof's relations fail on numbers "
+          f"({len(check.failures)} of {check.checked}); the verdict 'refines' is withdrawn. "
+          f"First: {check.failures[0]}. Please report this pair.", file=sys.stderr)
   if args.html:
     from graphguard_hlo import html_report
     html_report.write_html(args.html, result, seq.main, inference, args.seq, args.dist)
+  if withdrawn:
+    return EXIT_INTERNAL
   return EXIT_REFINES if result.refines else EXIT_NOT_PROVED
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from typing import Optional
+
 from graphguard_hlo.passes.inference import Result
 
 
@@ -47,7 +49,33 @@ def to_text(result: Result, seq_path: str, dist_path: str) -> str:
   return "\n".join(lines)
 
 
-def to_json(result: Result) -> str:
+def relation_check_text(check) -> str:
+  """``--check-relations``' line (``relation_check.RelationCheck``); on a
+  failure, the first few relations that do not hold."""
+  if check.skipped:
+    return f"  relation check: skipped ({check.skipped})"
+  counts = (f"{check.checked} relations, {check.classes_checked} e-classes and "
+            f"{check.zeros_checked} known zeros held against numbers (rtol {check.rtol:g})"
+            + (f"; {check.unknown} on values the interpreter could not compute"
+               if check.unknown else ""))
+  if check.ok:
+    return f"  relation check: {counts}: all hold"
+  lines = [f"  relation check: {len(check.failures)} FAIL of {counts}:"]
+  lines.extend(f"    {failure}" for failure in check.failures[:5])
+  if len(check.failures) > 5:
+    lines.append(f"    ... and {len(check.failures) - 5} more")
+  return "\n".join(lines)
+
+
+def to_json(result: Result, check: Optional[object] = None) -> str:
+  """``check``: the relation check's outcome, if one was run."""
   doc = result.to_json()
   doc["notes"] = [f"opaque: {o}" for o in dict.fromkeys(result.stats.get("opaque_ops", []))]
+  if check is not None:
+    if result.refines and check.failures:
+      doc["verdict"] = "withdrawn"  # (a proof whose relations fail on numbers)
+    doc["relation_check"] = {"ok": check.ok, "skipped": check.skipped, "checked": check.checked,
+                             "classes_checked": check.classes_checked,
+                             "zeros_checked": check.zeros_checked, "unknown": check.unknown,
+                             "rtol": check.rtol, "failures": list(check.failures)}
   return json.dumps(doc, indent=2)

@@ -151,3 +151,62 @@ def test_usage_error_exit_2():
   proc = subprocess.run([sys.executable, "-m", "graphguard_hlo.cli", "only-one-arg"],
                         capture_output=True, text=True)
   assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+
+
+def test_check_relations_holds_on_a_proved_pair(capsys):
+  code, out, _ = _run(capsys, *_pair("tp_mlp__shard_map__ok"), "--check-relations")
+  assert code == 0, out
+  assert "relation check: " in out and "all hold" in out
+  code, out, _ = _run(capsys, *_pair("tp_mlp__shard_map__ok"), "--check-relations",
+                      "--format", "json")
+  check = json.loads(out)["relation_check"]
+  assert code == 0 and check["ok"] and check["checked"] > 0 and not check["failures"]
+
+
+def _false_add(op, layouts):
+  """A wrong lemma, seeded: (sum_r a_r) + b = a_r + b on every rank, for a
+  replicated b (a missing all-reduce taken for none needed)."""
+  a, b = layouts
+  if a.partial and not b.partial and a.dims == b.dims:
+    yield op.attrs, a.with_(partial=())
+
+
+def test_check_relations_withdraws_a_proof_resting_on_a_wrong_lemma(capsys, monkeypatch):
+  """With the wrong lemma the missing all-reduce is 'proved' (the output a
+  replica); the relations fail on numbers, so the verdict is withdrawn:
+  exit 3, one line on stderr naming the first relation that fails."""
+  from graphguard_hlo.passes import lemmas
+  wrong = lemmas.Lemma("seeded-wrong-add", frozenset({"add"}), "false", _false_add)
+  monkeypatch.setattr(lemmas, "LEMMAS", (wrong,) + lemmas.LEMMAS)
+  pair = _pair("tp_mlp__shard_map__missing_allreduce")
+  code, out, _ = _run(capsys, *pair)
+  assert code == 0 and "output 0 = replica" in out, out  # the seed works: a false proof
+  code, out, err = _run(capsys, *pair, "--check-relations")
+  assert code == cli.EXIT_INTERNAL, out
+  assert "FAIL" in out and out.strip().endswith("proof withdrawn: its relations fail on numbers")
+  assert "withdrawn" in err and len(err.strip().splitlines()) == 1, err
+  code, out, _ = _run(capsys, *pair, "--check-relations", "--quiet")
+  assert code == cli.EXIT_INTERNAL and out.strip().endswith("proof withdrawn: its relations "
+                                                            "fail on numbers"), out
+  code, out, _ = _run(capsys, *pair, "--check-relations", "--format", "json")
+  doc = json.loads(out)
+  assert code == cli.EXIT_INTERNAL and doc["verdict"] == "withdrawn"
+  assert doc["relation_check"]["failures"]
+
+
+def test_a_relation_check_that_cannot_run_leaves_the_verdict(capsys, monkeypatch):
+  """A mesh the interpreter cannot simulate (devices out of iota order) checks
+  nothing: said, and the proof stands (exit 0); ``RelationCheck.ok`` is false,
+  so the test suite's checks still fail on it."""
+  from graphguard_hlo import relation_check
+  from graphguard_hlo.interpret import Unsupported
+
+  def refuse(mesh):
+    raise Unsupported("non-iota device order")
+  monkeypatch.setattr(relation_check, "mesh_coords", refuse)
+  code, out, _ = _run(capsys, *_pair("tp_mlp__shard_map__ok"), "--check-relations")
+  assert code == 0 and "relation check: skipped (cannot simulate the mesh: non-iota" in out, out
+  code, out, _ = _run(capsys, *_pair("tp_mlp__shard_map__ok"), "--check-relations",
+                      "--format", "json")
+  doc = json.loads(out)
+  assert code == 0 and doc["verdict"] == "refines" and not doc["relation_check"]["ok"]
