@@ -403,14 +403,6 @@ def _select_of_true_false(module, graph, op) -> Optional[ir.Value]:
   return None
 
 
-def _flag(v: ir.Value) -> Optional[ir.Value]:
-  """The scalar a select's predicate broadcasts (one flag for every element)."""
-  op = v.producer
-  if op is None or op.name != "broadcast_in_dim" or op.operands[0].type.rank:
-    return None
-  return op.operands[0]
-
-
 def _nested_select_sharing_a_branch(module, graph, op) -> Optional[ir.Value]:
   """select(p, a, select(q, a, b)) -> select(p or q, a, b), and the three
   other ways a nested select on a flag shares a branch with its parent.  A
@@ -421,15 +413,15 @@ def _nested_select_sharing_a_branch(module, graph, op) -> Optional[ir.Value]:
   if op.name != "select":
     return None
   p, a, b = op.operands
-  outer = _flag(p)
+  outer = slabs.flag(p)
   if outer is None:
     return None
   for inner_side, kept in ((b, a), (a, b)):
     inner = inner_side.producer
-    if inner is None or inner.name != "select" or _flag(inner.operands[0]) is None:
+    if inner is None or inner.name != "select" or slabs.flag(inner.operands[0]) is None:
       continue
     q, c, d = inner.operands
-    flag = _flag(q)
+    flag = slabs.flag(q)
     if kept is c or kept is d:
       other = d if kept is c else c
       if inner_side is b:  # select(p, a, select(q, ..)): a where p, or where q picks a
@@ -639,7 +631,8 @@ _SLAB_RULES = {"add": (slabs.sum_of_slabs,), "scatter": (slabs.set_rows,),
                "dynamic_update_slice": (slabs.set_rows,),
                "slice": (slabs.slice_of_split_reshape, slabs.slice_past_a_set,
                          slabs.slice_of_slabs, slabs.slice_of_select),
-               "reshape": (slabs.reshape_of_concatenation, slabs.unit_reshape_of_select), "gather": (slabs.gather_one_window,),
+               "reshape": (slabs.reshape_of_concatenation, slabs.unit_reshape_of_select),
+               "gather": (slabs.gather_one_window,),
                "select": (slabs.select_of_slabs,)}
 
 

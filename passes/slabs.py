@@ -107,12 +107,20 @@ def sum_of_slabs(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
   return assemble(module, graph, op, k, slabs, zero, fresh, place, emit)
 
 
+def flag(v: ir.Value) -> Optional[ir.Value]:
+  """The scalar ``v`` broadcasts, if it is a scalar's broadcast (a select's
+  predicate: one flag for every element)."""
+  op = v.producer
+  if op is None or op.name != "broadcast_in_dim" or op.operands[0].type.rank:
+    return None
+  return op.operands[0]
+
+
 def _spread_scalar(module, fresh, place, v: ir.Value, shape, location) -> Optional[ir.Value]:
   """``v``, a scalar broadcast, broadcast to ``shape`` instead."""
-  spread = v.producer
-  if spread is None or spread.name != "broadcast_in_dim" or spread.operands[0].type.rank:
+  scalar = flag(v)
+  if scalar is None:
     return None
-  scalar = spread.operands[0]
   return place(fresh(module, "broadcast_in_dim", [scalar], {"broadcast_dimensions": ()},
                      list(shape), scalar.type.dtype, location))
 
@@ -456,10 +464,5 @@ def _rows_of_a_parameter(v: ir.Value, depth: int = 4) -> bool:
     return False
   if op.name == "slice":
     return op.operands[0].producer is None
-  return op.name == "select" and _spread_scalar_of(op.operands[0]) and all(
+  return op.name == "select" and flag(op.operands[0]) is not None and all(
       _rows_of_a_parameter(x, depth - 1) for x in op.operands[1:])
-
-
-def _spread_scalar_of(v: ir.Value) -> bool:
-  op = v.producer
-  return op is not None and op.name == "broadcast_in_dim" and op.operands[0].type.rank == 0
