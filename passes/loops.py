@@ -74,8 +74,8 @@ def _unmatched_carry(inf, op: ir.Op, k: int, loop: ir.Op):
                  f"initial values of the per-device loop at {loop.location}"
                  + ("" if known else " (its initial value has no relation at all)")
                  + (f"; this loop runs on {piece}, and no per-device loop there starts "
-                    f"from its rows (a microbatch skipped, or a stage's saved input read "
-                    f"at another step?)" if piece else ""))
+                    f"from its rows (a microbatch skipped, a stage's saved input read "
+                    f"at another step, or another chunk run there?)" if piece else ""))
 
 
 def _dist_loops(inf) -> list[ir.Op]:
