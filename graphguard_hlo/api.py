@@ -34,7 +34,8 @@ def _abstract_args(args: Sequence[Any], mesh, in_specs) -> list:
 
 def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_specs=None,
            out_specs=None, relation: Optional[str] = None,
-           max_relations: Optional[int] = None) -> Result:
+           max_relations: Optional[int] = None, check_relations: bool = False,
+           seed: int = 0) -> Result:
   """Prove ``dist_fn`` (a shard_map, or any jittable function whose arguments carry
   shardings) refines ``seq_fn`` on arguments shaped like ``example_args``.
 
@@ -43,6 +44,10 @@ def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_spe
   ``relation``: explicit input layouts in the relation-file syntax (README).
   ``max_relations``: relations kept per sequential value, when a report says
   the default cap was reached.
+  ``check_relations``: also run both programs on random inputs (``seed``),
+  every rank simulated on CPU, and hold each relation the proof earned against
+  the numbers (``result.relation_check``); a proof whose relations fail raises
+  ``relation_check.ProofWithdrawn`` (a verifier bug).
   """
   from graphguard_hlo.lowering import lower_distributed, lower_sequential
   from graphguard_hlo.passes.inference import verify_programs
@@ -60,8 +65,12 @@ def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_spe
                            name=_name(dist_fn))
   program = prepare_dist(dist)
   prepare_seq(seq, program)
-  return verify_programs(seq, program, relation_layouts(relation, seq, program),
-                         **_cap(max_relations))
+  layouts = relation_layouts(relation, seq, program)
+  if check_relations:
+    from graphguard_hlo.passes.inference import RelationInference
+    from graphguard_hlo.relation_check import checked
+    return checked(RelationInference(seq, program, layouts, **_cap(max_relations)), seed)
+  return verify_programs(seq, program, layouts, **_cap(max_relations))
 
 
 def verify_files(seq_path: str, dist_path: str, relation: Optional[str] = None,

@@ -216,6 +216,28 @@ def _name(v: ir.Value) -> str:
   return f"%{v.producer.name}.{v.id}" if v.producer is not None else f"%{v.name or v.id}"
 
 
+class ProofWithdrawn(RuntimeError):
+  """A proof whose relations fail on numbers: a bug in graphguard-hlo, not in
+  the programs, so the verdict "refines" cannot be trusted."""
+
+  def __init__(self, check: RelationCheck):
+    self.check = check
+    super().__init__(f"the proof's relations fail on numbers ({len(check.failures)} of "
+                     f"{check.checked}); the verdict 'refines' is withdrawn. First: "
+                     f"{check.failures[0]}. Please report this pair.")
+
+
+def checked(inference, seed: int = 0):
+  """``inference.run()``'s result with its relations held against numbers
+  (``result.relation_check``); raises ``ProofWithdrawn`` if it refines and
+  some relation fails."""
+  result = inference.run()
+  result.relation_check = check_relations(inference, seed)
+  if result.refines and result.relation_check.failures:
+    raise ProofWithdrawn(result.relation_check)
+  return result
+
+
 def verify_and_check(seq: ir.Module, dist: ir.Module, seed: int = 0,
                      input_layouts: Optional[list[Layout]] = None,
                      nonnegative: Sequence[int] = (), relation: Optional[str] = None):

@@ -89,6 +89,9 @@ class Result:
   outputs: list[OutputRelation]
   failure: Optional[Failure]
   stats: dict
+  # ``relation_check.RelationCheck``, when the caller asked for one (API and
+  # CLI's check_relations): the proof's relations held against numbers.
+  relation_check: Optional[object] = None
 
   @property
   def refines(self) -> bool:

@@ -101,3 +101,29 @@ def test_unsupported_ops_are_named_and_treated_as_opaque():
   assert result.refines
   assert "note: unsupported op treated as opaque" in to_text(result, "s", "d")
   assert any(o.startswith("sort at ") for o in result.stats["opaque_ops"])
+
+
+def test_check_relations_holds_the_proofs_relations_against_numbers():
+  result = gg.verify(mlp, _tp(lambda y: jax.lax.psum(y, "tp")), *ARGS, mesh=MESH,
+                     in_specs=SPECS, check_relations=True)
+  check = result.relation_check
+  assert result.refines and check.ok and check.checked > 0, check
+  assert gg.verify(mlp, mlp, *ARGS, mesh=MESH, in_specs=SPECS).relation_check is None
+
+
+def test_check_relations_withdraws_a_proof_resting_on_a_wrong_lemma(monkeypatch):
+  """A seeded wrong lemma: a dot contracting tiles taken for a replica (the
+  partial sums' all-reduce taken for done).  The missing psum is then
+  'proved'; with check_relations the proof is withdrawn."""
+  from graphguard_hlo.passes import lemmas
+  from graphguard_hlo.relation_check import ProofWithdrawn
+
+  def reduced_for_free(op, layouts):
+    for attrs, layout in lemmas._dot_general(op, layouts):
+      yield attrs, layout.with_(partial=())
+  wrong = lemmas.Lemma("seeded-wrong-dot", frozenset({"dot_general"}), "false", reduced_for_free)
+  monkeypatch.setattr(lemmas, "LEMMAS", (wrong,) + lemmas.LEMMAS)
+  missing_psum = _tp(lambda y: y)
+  assert gg.verify(mlp, missing_psum, *ARGS, mesh=MESH, in_specs=SPECS).refines  # the seed
+  with pytest.raises(ProofWithdrawn, match="the verdict 'refines' is withdrawn"):
+    gg.verify(mlp, missing_psum, *ARGS, mesh=MESH, in_specs=SPECS, check_relations=True)
