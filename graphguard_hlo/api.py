@@ -50,7 +50,6 @@ def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_spe
   ``relation_check.ProofWithdrawn`` (a verifier bug).
   """
   from graphguard_hlo.lowering import lower_distributed, lower_sequential
-  from graphguard_hlo.passes.inference import verify_programs
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
   from graphguard_hlo.relation_file import relation_layouts
   dist_args = _abstract_args(example_args, mesh, in_specs)
@@ -65,26 +64,33 @@ def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_spe
                            name=_name(dist_fn))
   program = prepare_dist(dist)
   prepare_seq(seq, program)
-  layouts = relation_layouts(relation, seq, program)
-  if check_relations:
-    from graphguard_hlo.passes.inference import RelationInference
-    from graphguard_hlo.relation_check import checked
-    return checked(RelationInference(seq, program, layouts, **_cap(max_relations)), seed)
-  return verify_programs(seq, program, layouts, **_cap(max_relations))
+  return _verified(seq, program, relation_layouts(relation, seq, program), max_relations,
+                   check_relations, seed)
 
 
 def verify_files(seq_path: str, dist_path: str, relation: Optional[str] = None,
                  num_partitions: Optional[int] = None,
-                 max_relations: Optional[int] = None) -> Result:
-  """Like ``gg-hlo-verify SEQ DIST``; ``relation`` is relation-file text."""
+                 max_relations: Optional[int] = None, check_relations: bool = False,
+                 seed: int = 0) -> Result:
+  """Like ``gg-hlo-verify SEQ DIST``; ``relation`` is relation-file text;
+  ``check_relations`` and ``seed`` as in ``verify``."""
   from graphguard_hlo.loaders import load_module
-  from graphguard_hlo.passes.inference import verify_programs
   from graphguard_hlo.pipeline import prepare_dist, prepare_seq
   from graphguard_hlo.relation_file import relation_layouts
   program = prepare_dist(load_module(dist_path), num_partitions)
   seq = prepare_seq(load_module(seq_path), program)
-  return verify_programs(seq, program, relation_layouts(relation, seq, program),
-                         **_cap(max_relations))
+  return _verified(seq, program, relation_layouts(relation, seq, program), max_relations,
+                   check_relations, seed)
+
+
+def _verified(seq, program, layouts, max_relations, check_relations: bool, seed: int) -> Result:
+  """The verdict on prepared programs, with the relation check if asked for."""
+  from graphguard_hlo.passes.inference import RelationInference
+  inference = RelationInference(seq, program, layouts, **_cap(max_relations))
+  if not check_relations:
+    return inference.run()
+  from graphguard_hlo.relation_check import checked
+  return checked(inference, seed)
 
 
 def _cap(max_relations: Optional[int]) -> dict:

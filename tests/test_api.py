@@ -89,6 +89,16 @@ def test_verify_files_with_relation_text():
                          relation="1: dim1=tp\n3: dim0=tp\n").refines
 
 
+@pytest.mark.parametrize("pair, refines", [("tp_mlp__shard_map__ok", True),
+                                           ("tp_mlp__shard_map__missing_allreduce", False)])
+def test_verify_files_checks_relations_when_asked(pair, refines):
+  """Not proved, nothing is withdrawn: the relations it earned still hold."""
+  td = f"testdata/{pair}"
+  result = gg.verify_files(f"{td}/seq.mlir", f"{td}/dist.mlir", check_relations=True, seed=3)
+  assert result.refines == refines and result.relation_check.ok
+  assert result.relation_check.checked > 0
+
+
 def test_unsupported_ops_are_named_and_treated_as_opaque():
   """sort has no lemma: on replicas it is the same function, so this proves, and
   the report names it; on a tiled operand it cannot be related."""
