@@ -52,6 +52,7 @@ from typing import Callable, Optional
 
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes import online_softmax, slabs, softmax_backward
+from graphguard_hlo.passes.terms import scalar_of_broadcast
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 
 Pattern = Callable[[ir.Module, ir.Graph, ir.Op], Optional[ir.Value]]
@@ -413,15 +414,15 @@ def _nested_select_sharing_a_branch(module, graph, op) -> Optional[ir.Value]:
   if op.name != "select":
     return None
   p, a, b = op.operands
-  outer = slabs.flag(p)
+  outer = scalar_of_broadcast(p)
   if outer is None:
     return None
   for inner_side, kept in ((b, a), (a, b)):
     inner = inner_side.producer
-    if inner is None or inner.name != "select" or slabs.flag(inner.operands[0]) is None:
+    if inner is None or inner.name != "select" or scalar_of_broadcast(inner.operands[0]) is None:
       continue
     q, c, d = inner.operands
-    flag = slabs.flag(q)
+    flag = scalar_of_broadcast(q)
     if kept is c or kept is d:
       other = d if kept is c else c
       if inner_side is b:  # select(p, a, select(q, ..)): a where p, or where q picks a

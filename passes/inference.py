@@ -733,10 +733,10 @@ class RelationInference:
     the axes per dim) and are cut at MAX_RELATIONS_PER_VALUE, so the one a
     neighbour needs may be missing (optax's clip divides every gradient, tiled
     its own way, by the broadcast global norm)."""
-    p = v.producer
-    if p is None or p.name != "broadcast_in_dim" or p.operands[0].type.rank != 0:
+    spread = terms.scalar_of_broadcast(v)
+    if spread is None:
       return []
-    scalars = [r for r in self.whole_relations(p.operands[0]) if r.layout.is_plain()
+    scalars = [r for r in self.whole_relations(spread) if r.layout.is_plain()
                and r.layout.is_clean() and not r.layout.partial and not r.layout.at]
     known = {(r.cls, l) for r, l in choices[k] if r != "splat"}
     out = []

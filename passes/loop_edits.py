@@ -8,6 +8,7 @@ from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.canonicalize import _fresh, drop_dead_ops
+from graphguard_hlo.passes.terms import scalar_of_broadcast
 
 EFFECTS = {"custom_call", "outfeed", "infeed", "send", "recv", "rng", "rng_bit_generator"}
 # Ops a loop rewrite never copies: effects, and loops (a copy would need its
@@ -144,8 +145,8 @@ def splat_at(module: ir.Module, x: ir.Value, shape: tuple,
              location: ir.Location) -> Optional[ir.Op]:
   """``x``'s splat made afresh at ``shape``, if ``x`` broadcasts a scalar (a
   zero-initialized stack): any rows of it, as a splat the passes read."""
-  p = x.producer
-  if p is None or p.name != "broadcast_in_dim" or p.operands[0].type.rank:
+  scalar = scalar_of_broadcast(x)
+  if scalar is None:
     return None
-  return _fresh(module, "broadcast_in_dim", [p.operands[0]], {"broadcast_dimensions": ()},
+  return _fresh(module, "broadcast_in_dim", [scalar], {"broadcast_dimensions": ()},
                 tuple(shape), x.type.dtype, location)

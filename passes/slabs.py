@@ -29,7 +29,7 @@ from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.collectives import overwrites
-from graphguard_hlo.passes.terms import splat_value
+from graphguard_hlo.passes.terms import scalar_of_broadcast, splat_value
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 from graphguard_hlo.reference import dimension_numbers
 
@@ -107,18 +107,9 @@ def sum_of_slabs(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
   return assemble(module, graph, op, k, slabs, zero, fresh, place, emit)
 
 
-def flag(v: ir.Value) -> Optional[ir.Value]:
-  """The scalar ``v`` broadcasts, if it is a scalar's broadcast (a select's
-  predicate: one flag for every element)."""
-  op = v.producer
-  if op is None or op.name != "broadcast_in_dim" or op.operands[0].type.rank:
-    return None
-  return op.operands[0]
-
-
 def _spread_scalar(module, fresh, place, v: ir.Value, shape, location) -> Optional[ir.Value]:
   """``v``, a scalar broadcast, broadcast to ``shape`` instead."""
-  scalar = flag(v)
+  scalar = scalar_of_broadcast(v)
   if scalar is None:
     return None
   return place(fresh(module, "broadcast_in_dim", [scalar], {"broadcast_dimensions": ()},
@@ -251,10 +242,10 @@ def set_rows(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
   k, lo, hi, x, update = written
   new = (lo, hi, _window(module, fresh, place, op, update, x, k, lo, hi))
   if splat_value(x) == 0.0:
-    spread = x.producer
-    if spread is None or spread.name != "broadcast_in_dim" or spread.operands[0].type.rank:
+    zero = scalar_of_broadcast(x)
+    if zero is None:
       return None
-    return assemble(module, graph, op, k, [new], spread.operands[0], fresh, place, emit)
+    return assemble(module, graph, op, k, [new], zero, fresh, place, emit)
   found = slabs_of(x)
   if found is None or found[0] != k:
     return None
@@ -448,9 +439,7 @@ def unit_reshape_of_select(module, graph, op, fresh, place, emit) -> Optional[ir
   shape = op.results[0].shape
   if splat_value(pred) is not None or not _rows_of_a_parameter(op.operands[0]):
     return None
-  p = _spread_scalar(module, fresh, place, pred, shape, op.location)
-  if p is None:
-    return None
+  p = _spread_scalar(module, fresh, place, pred, shape, op.location)  # (a flag: checked above)
   reshaped = [place(fresh(module, "reshape", [v], {}, list(shape), v.type.dtype, op.location))
               for v in (a, b)]
   return emit(module, graph, op, "select", [p, *reshaped], {})
@@ -464,5 +453,5 @@ def _rows_of_a_parameter(v: ir.Value, depth: int = 4) -> bool:
     return False
   if op.name == "slice":
     return op.operands[0].producer is None
-  return op.name == "select" and flag(op.operands[0]) is not None and all(
+  return op.name == "select" and scalar_of_broadcast(op.operands[0]) is not None and all(
       _rows_of_a_parameter(x, depth - 1) for x in op.operands[1:])

@@ -93,6 +93,15 @@ def splat_value(v: ir.Value) -> Optional[float]:
   return _converted(flat[0], converts[::-1])
 
 
+def scalar_of_broadcast(v: ir.Value) -> Optional[ir.Value]:
+  """The scalar ``v`` broadcasts to every element, if ``v`` is such a
+  broadcast (a select's flag, a zero-initialized stack or buffer)."""
+  op = v.producer
+  if op is None or op.name != "broadcast_in_dim" or op.operands[0].type.rank:
+    return None
+  return op.operands[0]
+
+
 def is_zero(v: ir.Value) -> bool:
   """A splat of zero (through broadcasts, reshapes and converts)."""
   return splat_value(v) == 0
