@@ -92,30 +92,29 @@ def _run(args) -> int:
     result = inference.run()
   finally:
     progress.close()
-  check = None
   if args.check_relations:
     from graphguard_hlo.relation_check import check_relations
-    check = check_relations(inference, args.seed)
-  withdrawn = result.refines and check is not None and bool(check.failures)
+    result.relation_check = check_relations(inference, args.seed)
   withdrawal = f"{args.dist}: proof withdrawn: its relations fail on numbers"
   if args.format == "json":
-    print(report.to_json(result, check))
+    print(report.to_json(result))
   elif args.quiet:
-    print(withdrawal if withdrawn else report.to_text(result, args.seq, args.dist).splitlines()[0])
+    print(withdrawal if result.withdrawn
+          else report.to_text(result, args.seq, args.dist).splitlines()[0])
   else:
     print(report.to_text(result, args.seq, args.dist))
-    if check is not None:
-      print(report.relation_check_text(check))
-    if withdrawn:
+    if result.relation_check is not None:
+      print(report.relation_check_text(result.relation_check))
+    if result.withdrawn:
       print(withdrawal)
-  if withdrawn:
-    print(f"gg-hlo-verify: internal error: the proof's relations fail on numbers "
-          f"({len(check.failures)} of {check.checked}); the verdict 'refines' is withdrawn. "
-          f"First: {check.failures[0]}. Please report this pair.", file=sys.stderr)
+  if result.withdrawn:
+    from graphguard_hlo.relation_check import ProofWithdrawn
+    print(f"gg-hlo-verify: internal error: {ProofWithdrawn(result.relation_check)}",
+          file=sys.stderr)
   if args.html:
     from graphguard_hlo import html_report
     html_report.write_html(args.html, result, seq.main, inference, args.seq, args.dist)
-  if withdrawn:
+  if result.withdrawn:
     return EXIT_INTERNAL
   return EXIT_REFINES if result.refines else EXIT_NOT_PROVED
 

@@ -233,7 +233,7 @@ def checked(inference, seed: int = 0):
   some relation fails."""
   result = inference.run()
   result.relation_check = check_relations(inference, seed)
-  if result.refines and result.relation_check.failures:
+  if result.withdrawn:
     raise ProofWithdrawn(result.relation_check)
   return result
 

@@ -97,6 +97,12 @@ class Result:
   def refines(self) -> bool:
     return self.verdict == "refines"
 
+  @property
+  def withdrawn(self) -> bool:
+    """A proof whose relations fail on numbers: a verifier bug, not to be trusted."""
+    check = self.relation_check
+    return self.refines and check is not None and bool(check.failures)
+
   def __repr__(self) -> str:
     if self.refines:
       outs = ", ".join(f"out{o.index} = {o.relation}" for o in self.outputs)
