@@ -12,6 +12,12 @@ tile up to a unit-dim reshape.
 on operands with other unit dims, its dimension attributes renumbered, its
 result with or without unit dims.  Every variant computes the same elements,
 so a hash-cons hit is as good as for the proposed op.
+
+``jax.vmap`` over a dim each device holds one row of (GSPMD's pipeline,
+its stages' layers vmapped over the stage dim) puts that unit dim in front of
+every value of the stage, and batches each op over it: a dot gains a batch
+dim, a broadcast a leading dim.  Those are variants too (``_vmapped_variants``,
+jax's batching rules for a batch dim in front).
 """
 
 from __future__ import annotations
@@ -53,6 +59,13 @@ def squeezed_variants(name: str, attrs: dict, operand_types: list[ir.TensorType]
                       child_types: list[Optional[ir.TensorType]], result_type: ir.TensorType
                       ) -> Iterator[tuple[dict, ir.TensorType]]:
   """(attrs, result type) of equivalent local ops on values equal up to unit dims."""
+  yield from _unit_variants(name, attrs, operand_types, child_types, result_type)
+  yield from _vmapped_variants(name, attrs, operand_types, child_types, result_type)
+
+
+def _unit_variants(name: str, attrs: dict, operand_types: list[ir.TensorType],
+                   child_types: list[Optional[ir.TensorType]], result_type: ir.TensorType
+                   ) -> Iterator[tuple[dict, ir.TensorType]]:
   if not all(_same_up_to_units(t, c) for t, c in zip(operand_types, child_types)):
     return
   results = [result_type] + ([squeeze(result_type)] if squeeze(result_type) != result_type
@@ -90,6 +103,75 @@ def squeezed_variants(name: str, attrs: dict, operand_types: list[ir.TensorType]
       yield {**attrs, "dimensions": variant}, ir.TensorType(shape, result_type.dtype)
   elif name == "dot_general":
     yield from _dot(attrs, operand_types, child_types, result_type)
+
+
+# Leading unit dims a broadcast's result may gain under vmap (nested vmaps: 2).
+_MAX_BATCH_DIMS = 2
+
+
+def _vmapped_variants(name: str, attrs: dict, operand_types, child_types, result_type
+                      ) -> Iterator[tuple[dict, ir.TensorType]]:
+  """The op batched over k leading unit dims of every operand but a scalar:
+  ``jax.vmap`` over a dim split to one row per device (GSPMD's pipeline
+  stages) keeps that unit dim in front of every value of a stage, where the
+  sequential op has none.  What is behind the k dims may itself be the tile
+  up to unit dims (a stage's row of a stack): the op's variants on it,
+  batched."""
+  if not all(c is not None for c in child_types):
+    return
+  if name == "broadcast_in_dim":
+    # An unbatched operand broadcast to a batched result (a causal mask that
+    # selects among a stage's scores): the batch dims only in the result.
+    variants = [(attrs, result_type)] * (child_types[0] == operand_types[0]) + list(
+        _unit_variants(name, attrs, operand_types, child_types, result_type))
+    for k in range(1, _MAX_BATCH_DIMS + 1):
+      for a, r in variants:
+        yield ({"broadcast_dimensions": tuple(d + k for d in a["broadcast_dimensions"])},
+               ir.TensorType((1,) * k + tuple(r.shape), r.dtype))
+  batched = [c for t, c in zip(operand_types, child_types) if t.rank]
+  if not batched:
+    return
+  most = min(next((j for j, n in enumerate(c.shape) if n != 1), c.rank) for c in batched)
+  for k in range(1, most + 1):
+    inner = [ir.TensorType(c.shape[k:], c.dtype) if t.rank else c
+             for t, c in zip(operand_types, child_types)]
+    variants = list(_unit_variants(name, attrs, operand_types, inner, result_type))
+    if list(inner) == list(operand_types):
+      variants.insert(0, (attrs, result_type))
+    for a, r in variants:
+      new = _batched(name, a, k)
+      if new is not None:
+        yield new, ir.TensorType((1,) * k + tuple(r.shape), r.dtype)
+
+
+def _batched(name: str, attrs: dict, k: int) -> Optional[dict]:
+  """``attrs`` of the op batched over k new leading dims (jax's batching
+  rules, for a batch dim in front); None for an op not batched here."""
+  front, shift = tuple(range(k)), lambda dims: tuple(d + k for d in dims)
+  if name in ELEMENTWISE or name in ("reshape", "select", "compare", "convert", "clamp"):
+    return attrs
+  if name == "broadcast_in_dim":
+    return {**attrs, "broadcast_dimensions": front + shift(attrs["broadcast_dimensions"])}
+  if name == "transpose":
+    return {**attrs, "permutation": front + shift(attrs["permutation"])}
+  if name == "concatenate":
+    return {**attrs, "dimension": attrs["dimension"] + k}
+  if name == "reduce":
+    return {**attrs, "dimensions": shift(attrs["dimensions"])}
+  if name == "slice":
+    strides = attrs.get("strides") or (1,) * len(attrs["start_indices"])
+    return {**attrs, "start_indices": (0,) * k + tuple(attrs["start_indices"]),
+            "limit_indices": (1,) * k + tuple(attrs["limit_indices"]),
+            "strides": (1,) * k + tuple(strides)}
+  if name == "pad":
+    return {**attrs, **{key: (0,) * k + tuple(attrs[key]) for key in
+                        ("edge_padding_low", "edge_padding_high", "interior_padding")}}
+  if name == "dot_general":
+    return {**attrs, "lhs_batch": front + shift(attrs["lhs_batch"]),
+            "rhs_batch": front + shift(attrs["rhs_batch"]),
+            "lhs_contract": shift(attrs["lhs_contract"]),
+            "rhs_contract": shift(attrs["rhs_contract"])}
+  return None
 
 
 def _unit_dim_targets(c: ir.TensorType, mapped: dict[int, int], result_type: ir.TensorType

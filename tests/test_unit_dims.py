@@ -95,3 +95,97 @@ def test_dot_general(data):
   rng = np.random.default_rng(3)
   x, y = rng.standard_normal(lhs), rng.standard_normal(rhs)
   _check("dot_general", attrs, [x, y], (b, m, n), [dl, dr])
+
+
+# -- ops under vmap over a dim held one row per device (GSPMD's pipeline stages) ----
+
+@st.composite
+def vmapped_spelling(draw, shape):
+  """The device's value of a stage: k unit dims in front of the tile, which
+  may itself be spelled with other unit dims (a row of a stage's stack)."""
+  return (1,) * draw(st.integers(1, 2)) + draw(device_spelling(shape))
+
+
+def _vmapped(data, shapes):
+  """One k for every operand: vmap batches all of a stage's values alike."""
+  k = data.draw(st.integers(1, 2))
+  return [(1,) * k + s for s in shapes]
+
+
+@SETTINGS
+@given(st.data())
+def test_vmapped_broadcast_transpose_reduce_and_pad(data):
+  shape = data.draw(shapes_with_units(max_rank=3))
+  x = np.random.default_rng(4).standard_normal(shape)
+  rank = len(shape)
+  out = list(shape) + [data.draw(st.sampled_from([1, 2]))]
+  broadcast = {"broadcast_dimensions": tuple(range(rank))}
+  # Whatever the spelling behind the batch dims, every variant is right ...
+  _check("broadcast_in_dim", broadcast, [x], out, [data.draw(vmapped_spelling(shape))])
+  # ... and the tile itself behind them has its batched variant.
+  [vdev] = _vmapped(data, [shape])
+  assert _check("broadcast_in_dim", broadcast, [x], out, [vdev])
+  perm = tuple(data.draw(st.permutations(range(rank))))
+  assert _check("transpose", {"permutation": perm}, [x], [shape[p] for p in perm], [vdev])
+  dims = tuple(sorted(data.draw(st.sets(st.integers(0, rank - 1), min_size=1))))
+  assert _check("reduce", {"dimensions": dims, "gg.reduction": "sum"}, [x, np.array(0.0)],
+                [n for i, n in enumerate(shape) if i not in dims], [vdev, ()])
+  lo, hi, inner = ([data.draw(st.integers(0, 1)) for _ in range(rank)] for _ in range(3))
+  padded = [n + a + b + (n - 1) * c for n, a, b, c in zip(shape, lo, hi, inner)]
+  attrs = {"edge_padding_low": tuple(lo), "edge_padding_high": tuple(hi),
+           "interior_padding": tuple(inner)}
+  assert _check("pad", attrs, [x, np.array(0.5)], padded, [vdev, ()])
+
+
+@SETTINGS
+@given(st.data())
+def test_vmapped_slice_of_a_stage_row(data):
+  """A layer's row of the stage's stack: [1, layers, d] on the device, where
+  the sequential slice reads the tile [layers, d]."""
+  shape = data.draw(shapes_with_units(max_rank=3))
+  x = np.random.default_rng(5).standard_normal(shape)
+  starts = [data.draw(st.integers(0, n - 1)) for n in shape]
+  limits = [data.draw(st.integers(a + 1, n)) for a, n in zip(starts, shape)]
+  strides = [data.draw(st.integers(1, 2)) for _ in shape]
+  attrs = {"start_indices": tuple(starts), "limit_indices": tuple(limits),
+           "strides": tuple(strides)}
+  result = [-(-(b - a) // s) for a, b, s in zip(starts, limits, strides)]
+  _check("slice", attrs, [x], result, [data.draw(vmapped_spelling(shape))])
+  assert _check("slice", attrs, [x], result, _vmapped(data, [shape]))
+
+
+@SETTINGS
+@given(st.data())
+def test_vmapped_concatenate_select_and_dot(data):
+  shape = data.draw(shapes_with_units(min_rank=1, max_rank=3))
+  rng = np.random.default_rng(6)
+  x, y = rng.standard_normal(shape), rng.standard_normal(shape)
+  k = data.draw(st.integers(0, len(shape) - 1))
+  out = list(shape)
+  out[k] *= 2
+  assert _check("concatenate", {"dimension": k}, [x, y], out, _vmapped(data, [shape, shape]))
+  flag = rng.standard_normal(shape) > 0
+  assert _check("select", {}, [flag, x, y], shape, _vmapped(data, [shape] * 3))
+  m, c, n = (data.draw(st.sampled_from([1, 2, 3])) for _ in range(3))
+  attrs = {"lhs_batch": (), "rhs_batch": (), "lhs_contract": (1,), "rhs_contract": (1,)}
+  a, b = rng.standard_normal((m, c)), rng.standard_normal((n, c))
+  assert _check("dot_general", attrs, [a, b], (m, n), _vmapped(data, [(m, c), (n, c)]))
+
+
+def test_a_broadcast_of_an_unbatched_operand_to_a_batched_result():
+  """vmap's select broadcasts an unbatched causal mask to the stage's scores:
+  [t, t] -> [1, h, t, t] where the sequential broadcast gives [h, t, t]."""
+  x = np.random.default_rng(7).standard_normal((3, 3))
+  assert _check("broadcast_in_dim", {"broadcast_dimensions": (1, 2)}, [x], (2, 3, 3), [(3, 3)])
+  found = [r.shape for _, r in squeezed_variants(
+      "broadcast_in_dim", {"broadcast_dimensions": (1, 2)}, [_t((3, 3))], [_t((3, 3))],
+      _t((2, 3, 3)))]
+  assert (1, 2, 3, 3) in found, found
+
+
+def test_operands_batched_unalike_have_no_vmapped_variant():
+  """One operand with a leading unit dim, the other without: no batching
+  spells that (a variant would pair different elements)."""
+  variants = list(squeezed_variants("add", {}, [_t((2, 3))] * 2, [_t((1, 2, 3)), _t((2, 3))],
+                                    _t((2, 3))))
+  assert variants == [], variants
