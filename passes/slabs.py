@@ -192,8 +192,29 @@ def _set_window(op: ir.Op) -> Optional[tuple[int, int, int, ir.Value, ir.Value]]
       return None
     k = partial[0]
     return k, lows[k], lows[k] + update.shape[k], x, update
-  if op.name != "scatter" or len(op.operands) != 3 or not op.regions \
-      or not overwrites(op.regions[0]):
+  window = scatter_window(op)
+  if window is None or not overwrites(op.regions[0]):
+    return None
+  x, index, update, k, sizes = window
+  at = splat_value(index)
+  if at is None:
+    return None
+  if not window_lands(int(at), k, sizes, x.shape):
+    return None  # (nothing written: scatter_of_one_window)
+  partial = [d for d in range(x.type.rank) if sizes[d] != x.shape[d]]
+  if len(partial) != 1:
+    return None
+  j = partial[0]
+  lo = int(at) if j == k else 0
+  return j, lo, lo + sizes[j], x, update
+
+
+def scatter_window(op: ir.Op) -> Optional[tuple[ir.Value, ir.Value, ir.Value, int, list[int]]]:
+  """(x, index, update, k, sizes) if ``op`` is a scatter of one window into
+  x that starts at ``index`` along dim k and at 0 along every other dim, of
+  ``sizes``: the form of ``x.at[i].set(u)`` (and ``.add``), and of GSPMD's
+  partitioned one, whose ``i`` is computed from the partition id."""
+  if op.name != "scatter" or len(op.operands) != 3 or not op.regions:
     return None
   x, index, update = op.operands
   dn = dimension_numbers(op.attrs["scatter_dimension_numbers"])
@@ -203,24 +224,44 @@ def _set_window(op: ir.Op) -> Optional[tuple[int, int, int, ir.Value, ir.Value]]
   inserted = tuple(dn.get("inserted_window_dims", ()))
   to_operand = tuple(dn.get("scatter_dims_to_operand_dims", ()))
   rows = [n for d, n in enumerate(index.shape) if d != dn["index_vector_dim"]]
-  at = splat_value(index)
   rank = x.type.rank
   covered = [d for d in range(rank) if d not in inserted]
-  if math.prod(rows) != 1 or at is None or len(to_operand) != 1 \
+  if math.prod(rows) != 1 or len(to_operand) != 1 \
       or list(window_dims) != sorted(window_dims) or len(covered) != len(window_dims) \
       or any(update.shape[d] != 1 for d in range(update.type.rank) if d not in window_dims):
     return None
   sizes = [1] * rank
   for d, w in zip(covered, window_dims):
     sizes[d] = update.shape[w]
-  starts = [int(at) if d == to_operand[0] else 0 for d in range(rank)]
-  if any(s < 0 or s + n > m for s, n, m in zip(starts, sizes, x.shape)):
-    return None  # (XLA skips such a window: nothing written)
-  partial = [d for d in range(rank) if sizes[d] != x.shape[d]]
-  if len(partial) != 1:
+  return x, index, update, to_operand[0], sizes
+
+
+def window_lands(at: int, k: int, sizes, shape) -> bool:
+  """Does a window of ``sizes`` starting at ``at`` along dim k (0 elsewhere)
+  lie inside ``shape``?  XLA skips a scatter's window that does not."""
+  return 0 <= at and at + sizes[k] <= shape[k]
+
+
+def scatter_of_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """A scatter of one window at a constant place that writes nothing (the
+  window is outside x: XLA skips it) -> x; that overwrites all of x -> the
+  update reshaped to x.  GSPMD's ``x.at[i].set(u)`` on a dim split over the
+  ranks is such a scatter at each rank (``rank_cases.py``): the one rank
+  holding row i overwrites its tile of one row, the others keep theirs."""
+  window = scatter_window(op)
+  if window is None:
     return None
-  k = partial[0]
-  return k, starts[k], starts[k] + sizes[k], x, update
+  x, index, update, k, sizes = window
+  at = splat_value(index)
+  if at is None:
+    return None
+  if not window_lands(int(at), k, sizes, x.shape):
+    return x
+  if tuple(sizes) != tuple(x.shape) or not overwrites(op.regions[0]):
+    return None
+  if update.type == x.type:
+    return update
+  return place(fresh(module, "reshape", [update], {}, x.shape, x.type.dtype, op.location))
 
 
 def _window(module, fresh, place, op, update: ir.Value, x: ir.Value, k: int, lo: int,

@@ -233,6 +233,22 @@ def test_a_row_set_inside_a_wider_slab_is_left_alone():
   assert "scatter" in names, names
 
 
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.integers(1, 3), st.integers(0, 5), st.booleans())
+def test_a_row_set_outside_the_buffer_or_over_all_of_it(rows, at, add):
+  """``x.at[i].set(u)`` with i past the rows writes nothing (XLA skips the
+  window): x.  Over a one-row buffer it overwrites everything: u.  GSPMD's
+  partitioned set is such a scatter at each rank (rank_cases.py)."""
+  def fn(x, u):
+    row = x.at[at]
+    return row.add(u, mode="drop") if add else row.set(u, mode="drop")
+  rng = np.random.default_rng(rows * 10 + at)
+  x = rng.standard_normal((rows, 3)).astype(np.float32)
+  names = _same_after_canonicalizing(fn, x, rng.standard_normal((3,)).astype(np.float32))
+  if at >= rows or (rows == 1 and not add):
+    assert "scatter" not in names, names
+
+
 # -- stacks masked as a whole and added up (a hand-written schedule's gradient) --------
 
 def _masked_stacks(shape, k, cuts_per_term, zero_first=()):
