@@ -30,7 +30,7 @@ from graphguard_hlo.gcutil import without_cyclic_gc
 from graphguard_hlo.passes import terms
 from graphguard_hlo.passes.canonicalize import canonical_local_op
 from graphguard_hlo.passes.chunk_order import ChunkSources, result_order
-from graphguard_hlo.passes.unit_dims import only_unit_dims_change, squeezed_variants
+from graphguard_hlo.passes.unit_dims import only_unit_dims_change, squeeze, squeezed_variants
 from graphguard_hlo.passes.collectives import reducer_kind
 from graphguard_hlo.passes.constant_values import ConstantValues
 from graphguard_hlo.passes.dist_egraph import DistEGraph
@@ -804,19 +804,32 @@ class RelationInference:
     return out
 
   def _children(self, op: ir.Op, combo, step) -> Optional[tuple[int, ...]]:
+    # A splat's partners' shapes: the device may hold the tile with other unit
+    # dims (unit_dims.py), its splats too.
+    partners = {self.deg.class_type(r.cls) for r, _ in combo if r != "splat"}
     children = []
     for v, (r, l) in zip(op.operands, combo):
       if r == "splat":
         local = l.local_shape(v.shape, self.mesh)
         if local is None:
           return None
-        cls = self.deg.lookup_splat(self.splats[v.id], ir.TensorType(local, v.type.dtype))
+        cls = self._splat_class(self.splats[v.id], ir.TensorType(local, v.type.dtype), partners)
         if cls is None:
           return None
         children.append(cls)
       else:
         children.append(r.cls)
     return tuple(children)
+
+  def _splat_class(self, value: float, local: ir.TensorType, partners) -> Optional[int]:
+    """The per-device splat of ``value`` shaped as the tile, or as the tile
+    up to unit dims: a piece of ``x + 0.5`` has the sequential shape, a
+    pipeline stage's tile one more unit dim, and so has its splat.  Of the
+    splats equal up to unit dims, one shaped as a partner operand (an
+    elementwise op pairs them)."""
+    alike = [t for t in self.deg.splat_types(value, local.dtype) if squeeze(t) == squeeze(local)]
+    best = min(alike, key=lambda t: (t not in partners, t != local), default=None)
+    return None if best is None else self.deg.lookup_splat(value, best)
 
   def _inits_are_identities(self, op: ir.Op, step) -> bool:
     """A reduction split over ranks adds its init once per rank, and a scaled

@@ -30,6 +30,12 @@ like a tile offset, but no layout tiles a second dim by that axis).  The
 cases grow with the axis' size, which is a pipeline's stage count.  A row, or
 a select's predicate, that every partition computes alike is that one value:
 the op at a constant row, the select's branch.
+
+GSPMD writes ``x.at[i].set(u)`` on a dim split over the ranks as a scatter of
+one window at row ``i - offset(r)`` of each tile: the window lands on one
+rank and XLA skips it on the others.  Split alike (``split_scatter``), each
+case is the scatter at a constant row, or x itself where the window lands
+nowhere (``slabs.scatter_of_one_window``): ``select(r_x == c, set, x)``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from __future__ import annotations
 import functools
 import math
 from typing import Optional, Sequence
+
+import numpy as np
 
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes import slabs
@@ -165,6 +173,45 @@ class RankCases:
       return None
     return first, sizes, k, index, axis, values
 
+  def scatter_plan(self, op: ir.Op) -> Optional[tuple[str, list[Optional[int]]]]:
+    """(x, start at r_x = 0 .. |x| - 1, None where the window lands nowhere)
+    if ``op`` is a scatter of one window at a row computed from the partition
+    id that some rank writes nowhere (GSPMD's ``x.at[i].set(u)`` on a dim split
+    over x: row ``i - offset(r)`` of each tile); None: left as it is."""
+    window = slabs.scatter_window(op) if self.partition_id is not None else None
+    if window is None:
+      return None
+    x, index, _, k, sizes = window
+    ranks = self.per_rank(index)
+    if ranks is None:
+      return None
+    axis, values = ranks
+    starts = [v if slabs.window_lands(v, k, sizes, x.shape) else None for v in values]
+    return (axis, starts) if None in starts else None
+
+  def split_scatter(self, module, graph, op, fresh, place) -> Optional[ir.Value]:
+    """``op`` as a select over its row's values on the ranks: at each, the
+    scatter at that constant row, or x where the window lands nowhere."""
+    planned = self.scatter_plan(op)
+    if planned is None:
+      return None
+    axis, starts = planned
+    x, index, update = op.operands
+    out_type = op.results[0].type
+
+    def case(start: Optional[int]) -> ir.Value:
+      if start is None:
+        return x
+      at = place(fresh(module, "constant", [], {"value": reference.constant_array(
+          np.full(index.shape, start), index.type.dtype)}, index.shape, index.type.dtype,
+          op.location))
+      new = ir.Op("scatter", [x, at, update], dict(op.attrs), list(op.regions), op.location)
+      new.results = [module.new_value(out_type, new, 0)]
+      return place(new)
+
+    return self._select_cases(module, fresh, place, axis, starts, case, out_type,
+                              op.location)
+
   def split(self, module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
     """``op`` as a select over its row's values on the ranks (None: left as it is)."""
     planned = self.plan(op)
@@ -186,11 +233,18 @@ class RankCases:
       return place(fresh(module, "dynamic_update_slice", [x, op.operands[1], *consts], {},
                          out_type.shape, out_type.dtype, loc))
 
-    by_value: dict[int, list[int]] = {}
+    return self._select_cases(module, fresh, place, axis, values, case, out_type, loc)
+
+  def _select_cases(self, module, fresh, place, axis: str, values: list, case, out_type,
+                    loc) -> ir.Value:
+    """select(r_x in ranks_1, case(v_1), select(.., case(v_last))): ``values``
+    the case at r_x = 0 .. |x| - 1, the last case (in sorted order, None
+    last) the default, every other case's ranks excluded."""
+    by_value: dict = {}
     for c, value in enumerate(values):
       by_value.setdefault(value, []).append(c)
-    order = sorted(by_value)
-    result = case(order[-1])  # the default: every other case's ranks excluded
+    order = sorted(by_value, key=lambda v: (v is None, v))
+    result = case(order[-1])
     if len(order) == 1:
       return result  # one row on every rank: no coordinate to compare
     coordinate = self._coordinate(module, fresh, place, axis, loc)
@@ -232,11 +286,12 @@ def rank_case_patterns(graph: ir.Graph, mesh: ir.Mesh,
   if mesh.device_ids is not None and tuple(mesh.device_ids) != tuple(range(mesh.size)):
     return ()  # (rank arithmetic reads partition ids in iota order only)
   ops = [op for op in graph.walk()
-         if op.name in ("dynamic_update_slice", "dynamic_slice", "select")]
+         if op.name in ("dynamic_update_slice", "dynamic_slice", "select", "scatter")]
   if not ops:
     return ()
   cases = RankCases(mesh, graph, param_layouts)
-  if not any(cases.plan(op) or cases.uniform_select(op) for op in ops):
+  if not any(cases.plan(op) or cases.uniform_select(op) or cases.scatter_plan(op)
+             for op in ops):
     return ()  # (GSPMD's slices at tile offsets: no second canonicalization to pay for)
   return (functools.partial(_split, cases),)
 
@@ -245,6 +300,9 @@ def _split(cases: RankCases, module, graph, op):
   from graphguard_hlo.passes.canonicalize import _emit, _fresh, _simplified_and_placed
   if op.name == "select":
     return cases.uniform_select(op)
+  if op.name == "scatter":
+    return cases.split_scatter(module, graph, op, _fresh,
+                               lambda new: _simplified_and_placed(module, graph, new))
   if op.name not in ("dynamic_update_slice", "dynamic_slice"):
     return None
   return cases.split(module, graph, op, _fresh,
