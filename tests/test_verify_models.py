@@ -130,6 +130,11 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/pp_tp/shard_map/wrong_replica_groups": "wrong replica groups",
     "llama3/pp_grad/shard_map/double_counted_grad": "4 times its share",
     "gpt2/pp_gpipe_grad/shard_map/double_counted_grad": "4 times the sequential one",
+    "gpt2/pp_gpipe/gspmd/wrong_permutation":
+        "activations or their cotangents passed to the wrong stage?",
+    "llama3/pp_gpipe/gspmd/fed_to_stage_1": "only at a0=0: no rank holds both",
+    "gpt2/pp_gpipe/gspmd/collected_from_stage_2":
+        "but never on piece 3 (a microbatch skipped, or taken twice?)",
     "gpt2/pp_gpipe_buffered/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
     "gpt2/pp_gpipe_fori/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
     "gpt2/pp_1f1b_grad/shard_map/stale_input": "at pp=2 on pieces 1, 2, 3 of the 4 its operand "

@@ -54,7 +54,8 @@
     parameters split over the stages by layer, two per stage; the stages
     unrolled, each round every stage runs its layers and ``ppermute``s the
     result to the next; a masked ``psum`` hands the last stage's output to all.
-    No microbatches, forward only, shard_map only (GSPMD has no pipelines).
+    No microbatches, forward only, shard_map only.  (``pp_gpipe`` also exists
+    under GSPMD, in MaxText's form: ``_gspmd_gpipe_stages``.)
 
 Every correct strategy (but ``pp``) exists as ``shard_map`` (hand-written collectives) and
 as ``gspmd`` (the sequential function jitted with in/out shardings), and
@@ -756,6 +757,38 @@ def _gpipe_fori_stages(axis, microbatches, misplaced=0, shift=1):
   return run
 
 
+def _gspmd_gpipe_stages(mesh, axis, microbatches, shift=1, injected_row=0, collected_row=-1):
+  """GPipe under GSPMD, as MaxText and praxis write it: no shard_map, the
+  stacks viewed as [stages, layers per stage, ...] split over ``axis`` by
+  stage, and a state of one microbatch per stage, [stages, rows, ...], split
+  alike.  At step t microbatch t is set into stage 0's row, every stage's
+  layers run vmapped over the stage dim, the last stage's row is written to
+  the outputs once t >= n - 1, and the state is rolled one stage on
+  (``jnp.roll``: XLA's collective-permute).  Seeded bugs: ``shift=-1`` rolls
+  it back a stage; ``injected_row`` sets the microbatch into another stage's
+  row; ``collected_row`` collects the outputs from another stage's."""
+  split = lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh, P(axis)))
+
+  def run(h, stacked, layer):
+    n = mesh.shape[axis]
+    stages = {k: split(w.reshape((n, w.shape[0] // n) + w.shape[1:]))
+              for k, w in stacked.items()}
+    size = h.shape[0] // microbatches
+    batches = h.reshape((microbatches, size) + h.shape[1:])
+    state = split(jnp.zeros((n, size) + h.shape[1:], h.dtype))
+    outputs = jnp.zeros_like(batches)
+    run_stage = jax.vmap(lambda ws, x: run_stack_in_order(x, ws, layer))
+    for t in range(microbatches + n - 1):
+      if t < microbatches:
+        state = state.at[injected_row].set(batches[t])
+      state = split(run_stage(stages, state))
+      if t >= n - 1:
+        outputs = outputs.at[t - (n - 1)].set(state[collected_row])
+      state = split(jnp.roll(state, shift, axis=0))
+    return outputs.reshape(h.shape)
+  return run
+
+
 def _pp_par(shift=1, fori=False, scan=False):
   return Parallel(run_stack=_pipeline_stages("pp", shift, fori, scan))
 
@@ -1232,6 +1265,25 @@ def _gspmd_zigzag_case(model, cfg, grad: bool = False, variant: str = "ok", bug=
               mesh=mesh, style="gspmd", bug=bug, bug_primitive=bug_primitive,
               out_shardings=out_shardings, in_shardings=tuple(shard(spec) for spec in specs),
               relation=_ZIGZAG_BATCH.replace("=cp ", "=a0 "))
+
+
+def _gspmd_gpipe_case(model, cfg, variant: str = "ok", bug=None, bug_primitive=None,
+                      **seeded) -> Case:
+  """GPipe under GSPMD (``_gspmd_gpipe_stages``): GPipe's 4 stages and 4
+  microbatches, its stacks split over "pp" by layer; ``seeded``: the bug's
+  hooks."""
+  strategy = GPIPE
+  cfg = _cfg(strategy, cfg)
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  specs = _in_specs(model, strategy, cfg)
+  dist_fn = loss_fn(model, cfg, Parallel(run_stack=_gspmd_gpipe_stages(mesh, "pp", 4, **seeded)),
+                    name=_ident(model, strategy.name, "gspmd", variant))
+  shard = lambda spec: NamedSharding(mesh, spec)
+  return Case(name=f"{model}/{strategy.name}/gspmd/{variant}", seq_fn=_seq_fn(model, cfg),
+              dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
+              dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh, style="gspmd", bug=bug,
+              bug_primitive=bug_primitive, out_shardings=shard(P()),
+              in_shardings=tuple(shard(spec) for spec in specs))
 
 
 def _partitioner_bug(model, strategy: _Strategy, cfg, grad: bool, variant: str, edit,
@@ -1920,6 +1972,21 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
         "output_misplaced", first_op))
     if grad:
       built.extend(trained_and_double_counted(model, GPIPE_FORI, doubled_at))
+  # GPipe under GSPMD, as MaxText and praxis write it (no shard_map; forward
+  # only): each stage's layers vmapped over the stage dim of a state split
+  # over "pp", the state rolled a stage on at every step (rank_cases.py,
+  # unit_dims.py's vmapped variants).  Bugs: the state rolled back, reported
+  # where stage 0's output meets stage 1's norm weight; the microbatches fed
+  # to stage 1, where they meet stage 0's; the outputs collected from stage
+  # 2, where the final norm reads microbatch 3, which was never written.
+  for model in MODELS:
+    built.append(_gspmd_gpipe_case(model, cfg))
+  built.append(_gspmd_gpipe_case("gpt2", cfg, "wrong_permutation", "wrong_permutation",
+                                 "multiply", shift=-1))
+  built.append(_gspmd_gpipe_case("llama3", cfg, "fed_to_stage_1", "wrong_stage", "multiply",
+                                 injected_row=1))
+  built.append(_gspmd_gpipe_case("gpt2", cfg, "collected_from_stage_2", "wrong_stage",
+                                 "reduce", collected_row=-2))
   # Every stage's output sent to the stage before it, both ways of writing
   # the schedule: reported where stage 0's output, held at stage 3, meets
   # stage 1's norm weight, held at stage 1.
