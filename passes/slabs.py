@@ -192,20 +192,17 @@ def _set_window(op: ir.Op) -> Optional[tuple[int, int, int, ir.Value, ir.Value]]
       return None
     k = partial[0]
     return k, lows[k], lows[k] + update.shape[k], x, update
-  window = scatter_window(op)
+  window = _window_at_a_constant(op)
   if window is None or not overwrites(op.regions[0]):
     return None
-  x, index, update, k, sizes = window
-  at = splat_value(index)
-  if at is None:
-    return None
-  if not window_lands(int(at), k, sizes, x.shape):
+  x, update, k, sizes, at = window
+  if not window_lands(at, k, sizes, x.shape):
     return None  # (nothing written: scatter_of_one_window)
   partial = [d for d in range(x.type.rank) if sizes[d] != x.shape[d]]
   if len(partial) != 1:
     return None
   j = partial[0]
-  lo = int(at) if j == k else 0
+  lo = at if j == k else 0
   return j, lo, lo + sizes[j], x, update
 
 
@@ -236,6 +233,16 @@ def scatter_window(op: ir.Op) -> Optional[tuple[ir.Value, ir.Value, ir.Value, in
   return x, index, update, to_operand[0], sizes
 
 
+def _window_at_a_constant(op: ir.Op) -> Optional[tuple[ir.Value, ir.Value, int, list[int], int]]:
+  """(x, update, k, sizes, start) of a scatter of one window at a constant row."""
+  window = scatter_window(op)
+  at = None if window is None else splat_value(window[1])
+  if at is None:
+    return None
+  x, _, update, k, sizes = window
+  return x, update, k, sizes, int(at)
+
+
 def window_lands(at: int, k: int, sizes, shape) -> bool:
   """Does a window of ``sizes`` starting at ``at`` along dim k (0 elsewhere)
   lie inside ``shape``?  XLA skips a scatter's window that does not."""
@@ -248,14 +255,11 @@ def scatter_of_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.
   update reshaped to x.  GSPMD's ``x.at[i].set(u)`` on a dim split over the
   ranks is such a scatter at each rank (``rank_cases.py``): the one rank
   holding row i overwrites its tile of one row, the others keep theirs."""
-  window = scatter_window(op)
+  window = _window_at_a_constant(op)
   if window is None:
     return None
-  x, index, update, k, sizes = window
-  at = splat_value(index)
-  if at is None:
-    return None
-  if not window_lands(int(at), k, sizes, x.shape):
+  x, update, k, sizes, at = window
+  if not window_lands(at, k, sizes, x.shape):
     return x
   if tuple(sizes) != tuple(x.shape) or not overwrites(op.regions[0]):
     return None
