@@ -13,7 +13,8 @@ forms of canonicalize.py, rank arithmetic on the now constant step) applies.
 A loop is unrolled when it is one: a counter runs 0, 1, ... < N with N a
 constant (``loop_copies.counter_of``) of at most ``MAX_STEPS``, and some
 carry's next value is what a ``collective_permute``
-sends round the ring (the block in hand, or a pipeline stage's output).  A
+sends round the ring (the block in hand, or a pipeline stage's output; under
+GSPMD a copy of it, the sharding constraint on the state it rolls on).  A
 scan over layers is never one: a layer's output is computed, not received.
 Also unrolled: a counter
 loop of the same N at the same source line as a ring loop.  jax makes such
@@ -90,10 +91,19 @@ def _ring_trips(op: ir.Op) -> Optional[tuple[int, int]]:
   counter = counter_of(op)
   if counter is None:
     return None
-  sends_on = any(res.producer is not None and res.producer.name == "collective_permute"
-                 and res.producer.attrs.get("source_target_pairs")
-                 for res in op.regions[1].results)
+  sends_on = any(sender is not None and sender.name == "collective_permute"
+                 and sender.attrs.get("source_target_pairs")
+                 for sender in map(_producer_past_copies, op.regions[1].results))
   return counter if sends_on and counter[1] <= MAX_STEPS else None
+
+
+def _producer_past_copies(v: ir.Value) -> Optional[ir.Op]:
+  """The op computing ``v``, read through copies (a GSPMD sharding
+  constraint on the state a pipeline rolls on is a copy of the permute)."""
+  op = v.producer
+  while op is not None and op.name == "copy":
+    op = op.operands[0].producer
+  return op
 
 
 def _unroll(module: ir.Module, loop: ir.Op, trips: tuple[int, int], into: ir.Graph

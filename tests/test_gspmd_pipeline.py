@@ -42,7 +42,10 @@ def _seq(stages):
   return seq
 
 
-def _pipeline(mesh, shift=1, injected_row=0, collected_row=-1):
+def _pipeline(mesh, shift=1, injected_row=0, collected_row=-1, fori=False):
+  """``fori``: the steps under ``lax.fori_loop`` (MaxText's loop), the state
+  carried under its sharding constraint, a copy of the roll's permute; the
+  loop is unrolled (ring_loops.py)."""
   stages = mesh.shape["pp"]
   split = lambda v: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, P("pp")))
 
@@ -50,6 +53,20 @@ def _pipeline(mesh, shift=1, injected_row=0, collected_row=-1):
     batches = x.reshape(MICROBATCHES, ROWS, D)
     state = split(jnp.zeros((stages, ROWS, D)))
     outputs = jnp.zeros_like(batches)
+    if fori:
+      def step(t, carry):
+        state, outputs = carry
+        fresh = jax.lax.dynamic_index_in_dim(batches, jnp.minimum(t, MICROBATCHES - 1), 0,
+                                             keepdims=False)
+        state = jnp.where(t < MICROBATCHES, state.at[injected_row].set(fresh * 0.5), state)
+        state = split(jax.vmap(_layer)(ws, state))
+        done = t - (stages - 1)
+        written = jax.lax.dynamic_update_index_in_dim(outputs, state[collected_row],
+                                                      jnp.maximum(done, 0), 0)
+        outputs = jnp.where(done >= 0, written, outputs)
+        return split(jnp.roll(state, shift, axis=0)), outputs
+      _, outputs = jax.lax.fori_loop(0, MICROBATCHES + stages - 1, step, (state, outputs))
+      return outputs.reshape(x.shape)
     for t in range(MICROBATCHES + stages - 1):
       if t < MICROBATCHES:  # (halved here: the device holds a splat 0.5 of a microbatch's
         # shape, and the layer's 0.5 is added to the stage's tile, one unit dim more)
@@ -80,11 +97,11 @@ def _verified(stages, **bug):
   return args, verify_and_check(lower_sequential(_seq(stages), *args), _lowered(stages, **bug))
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_gspmd_gpipe_is_proved_and_its_relations_hold(stages):
+@pytest.mark.parametrize("stages, fori", [(2, False), (4, False), (4, True)])
+def test_gspmd_gpipe_is_proved_and_its_relations_hold(stages, fori):
   mesh = mesh_of((stages,), ("pp",))
-  args, (result, check) = _verified(stages)
-  assert outputs_agree(_seq(stages), _pipeline(mesh), *args)
+  args, (result, check) = _verified(stages, fori=fori)
+  assert outputs_agree(_seq(stages), _pipeline(mesh, fori=fori), *args)
   assert result.refines and check.ok, (result, check)
 
 
@@ -101,7 +118,8 @@ def test_the_microbatch_set_into_stage_zero_is_split_per_rank():
     (dict(shift=-1), "dot_general"),           # activations rolled back a stage
     (dict(injected_row=1), "dot_general"),     # microbatches fed to stage 1
     (dict(collected_row=-2), "output"),        # outputs taken from stage 2
-], ids=["rolled_back", "fed_to_stage_1", "collected_from_stage_2"])
+    (dict(shift=-1, fori=True), "dot_general"),
+], ids=["rolled_back", "fed_to_stage_1", "collected_from_stage_2", "rolled_back_fori"])
 def test_a_seeded_gspmd_pipeline_bug_is_reported(bug, at):
   mesh = mesh_of((4,), ("pp",))
   args, (result, check) = _verified(4, **bug)
