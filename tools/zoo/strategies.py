@@ -757,7 +757,8 @@ def _gpipe_fori_stages(axis, microbatches, misplaced=0, shift=1):
   return run
 
 
-def _gspmd_gpipe_stages(mesh, axis, microbatches, shift=1, injected_row=0, collected_row=-1):
+def _gspmd_gpipe_stages(mesh, axis, microbatches, shift=1, injected_row=0, collected_row=-1,
+                        fori=False):
   """GPipe under GSPMD, as MaxText and praxis write it: no shard_map, the
   stacks viewed as [stages, layers per stage, ...] split over ``axis`` by
   stage, and a state of one microbatch per stage, [stages, rows, ...], split
@@ -766,7 +767,9 @@ def _gspmd_gpipe_stages(mesh, axis, microbatches, shift=1, injected_row=0, colle
   the outputs once t >= n - 1, and the state is rolled one stage on
   (``jnp.roll``: XLA's collective-permute).  Seeded bugs: ``shift=-1`` rolls
   it back a stage; ``injected_row`` sets the microbatch into another stage's
-  row; ``collected_row`` collects the outputs from another stage's."""
+  row; ``collected_row`` collects the outputs from another stage's.
+  ``fori``: the steps under ``lax.fori_loop``, the microbatch read and the
+  output written at rows computed from the step (MaxText's loop)."""
   split = lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh, P(axis)))
 
   def run(h, stacked, layer):
@@ -778,6 +781,20 @@ def _gspmd_gpipe_stages(mesh, axis, microbatches, shift=1, injected_row=0, colle
     state = split(jnp.zeros((n, size) + h.shape[1:], h.dtype))
     outputs = jnp.zeros_like(batches)
     run_stage = jax.vmap(lambda ws, x: run_stack_in_order(x, ws, layer))
+    if fori:
+      def step(t, carry):
+        state, outputs = carry
+        fresh = lax.dynamic_index_in_dim(batches, jnp.minimum(t, microbatches - 1), 0,
+                                         keepdims=False)
+        state = jnp.where(t < microbatches, state.at[injected_row].set(fresh), state)
+        state = split(run_stage(stages, state))
+        done = t - (n - 1)
+        written = lax.dynamic_update_index_in_dim(outputs, state[collected_row],
+                                                  jnp.maximum(done, 0), 0)
+        outputs = jnp.where(done >= 0, written, outputs)
+        return split(jnp.roll(state, shift, axis=0)), outputs
+      _, outputs = lax.fori_loop(0, microbatches + n - 1, step, (state, outputs))
+      return outputs.reshape(h.shape)
     for t in range(microbatches + n - 1):
       if t < microbatches:
         state = state.at[injected_row].set(batches[t])
@@ -1268,15 +1285,16 @@ def _gspmd_zigzag_case(model, cfg, grad: bool = False, variant: str = "ok", bug=
 
 
 def _gspmd_gpipe_case(model, cfg, variant: str = "ok", bug=None, bug_primitive=None,
-                      **seeded) -> Case:
+                      fori: bool = False, **seeded) -> Case:
   """GPipe under GSPMD (``_gspmd_gpipe_stages``): GPipe's 4 stages and 4
-  microbatches, its stacks split over "pp" by layer; ``seeded``: the bug's
-  hooks."""
-  strategy = GPIPE
+  microbatches, its stacks split over "pp" by layer (``fori``: its steps
+  under ``lax.fori_loop``); ``seeded``: the bug's hooks."""
+  strategy = GPIPE_FORI if fori else GPIPE
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _in_specs(model, strategy, cfg)
-  dist_fn = loss_fn(model, cfg, Parallel(run_stack=_gspmd_gpipe_stages(mesh, "pp", 4, **seeded)),
+  stages = _gspmd_gpipe_stages(mesh, "pp", 4, fori=fori, **seeded)
+  dist_fn = loss_fn(model, cfg, Parallel(run_stack=stages),
                     name=_ident(model, strategy.name, "gspmd", variant))
   shard = lambda spec: NamedSharding(mesh, spec)
   return Case(name=f"{model}/{strategy.name}/gspmd/{variant}", seq_fn=_seq_fn(model, cfg),
@@ -1979,8 +1997,12 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # where stage 0's output meets stage 1's norm weight; the microbatches fed
   # to stage 1, where they meet stage 0's; the outputs collected from stage
   # 2, where the final norm reads microbatch 3, which was never written.
+  # Its steps under lax.fori_loop too (MaxText's loop; unrolled, ring_loops.py).
   for model in MODELS:
     built.append(_gspmd_gpipe_case(model, cfg))
+    built.append(_gspmd_gpipe_case(model, cfg, fori=True))
+  built.append(_gspmd_gpipe_case("llama3", cfg, "wrong_permutation", "wrong_permutation",
+                                 "multiply", fori=True, shift=-1))
   built.append(_gspmd_gpipe_case("gpt2", cfg, "wrong_permutation", "wrong_permutation",
                                  "multiply", shift=-1))
   built.append(_gspmd_gpipe_case("llama3", cfg, "fed_to_stage_1", "wrong_stage", "multiply",
