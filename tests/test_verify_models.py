@@ -133,6 +133,8 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/pp_gpipe/gspmd/wrong_permutation":
         "activations or their cotangents passed to the wrong stage?",
     "llama3/pp_gpipe/gspmd/fed_to_stage_1": "only at a0=0: no rank holds both",
+    "llama3/pp_tp_gpipe/gspmd/collected_from_stage_0":
+        "but never on pieces 0, 1, 3 (a microbatch skipped, or taken twice?)",
     "llama3/pp_gpipe_fori/gspmd/wrong_permutation":
         "activations or their cotangents passed to the wrong stage?",
     "gpt2/pp_gpipe/gspmd/collected_from_stage_2":

@@ -1285,11 +1285,12 @@ def _gspmd_zigzag_case(model, cfg, grad: bool = False, variant: str = "ok", bug=
 
 
 def _gspmd_gpipe_case(model, cfg, variant: str = "ok", bug=None, bug_primitive=None,
-                      fori: bool = False, **seeded) -> Case:
+                      fori: bool = False, tp: bool = False, **seeded) -> Case:
   """GPipe under GSPMD (``_gspmd_gpipe_stages``): GPipe's 4 stages and 4
   microbatches, its stacks split over "pp" by layer (``fori``: its steps
-  under ``lax.fori_loop``); ``seeded``: the bug's hooks."""
-  strategy = GPIPE_FORI if fori else GPIPE
+  under ``lax.fori_loop``; ``tp``: 2 stages, each weight also split over
+  "tp" as Megatron's, XLA deciding the rest); ``seeded``: the bug's hooks."""
+  strategy = PP_TP_GPIPE if tp else GPIPE_FORI if fori else GPIPE
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _in_specs(model, strategy, cfg)
@@ -2003,6 +2004,13 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     built.append(_gspmd_gpipe_case(model, cfg, fori=True))
   built.append(_gspmd_gpipe_case("llama3", cfg, "wrong_permutation", "wrong_permutation",
                                  "multiply", fori=True, shift=-1))
+  # ... with Megatron's TP specs inside the 2 stages (pp x tp, 2 x 4): the
+  # stage's matmuls partitioned by XLA.  Bug: the outputs collected from stage
+  # 0, reported at the final norm's square, which meets 1 microbatch of 4.
+  for model in MODELS:
+    built.append(_gspmd_gpipe_case(model, cfg, tp=True))
+  built.append(_gspmd_gpipe_case("llama3", cfg, "collected_from_stage_0", "wrong_stage",
+                                 "multiply", tp=True, collected_row=0))
   built.append(_gspmd_gpipe_case("gpt2", cfg, "wrong_permutation", "wrong_permutation",
                                  "multiply", shift=-1))
   built.append(_gspmd_gpipe_case("llama3", cfg, "fed_to_stage_1", "wrong_stage", "multiply",
