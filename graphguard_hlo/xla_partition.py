@@ -50,8 +50,21 @@ def partitioned_hlo_text(lowered) -> str:
 def partition_lowered(lowered, path_hint: str = "<jax>") -> ir.Module:
   """Compile a ``jax.stages.Lowered`` and return XLA's per-device module."""
   with tempfile.TemporaryDirectory(prefix="gg-hlo-") as tmp:
-    lowered.compile(compiler_options=dict(DUMP_OPTIONS, xla_dump_to=tmp))
-    return partitioned_from_dump(tmp, path_hint)
+    compiled = lowered.compile(compiler_options=dict(DUMP_OPTIONS, xla_dump_to=tmp))
+    module = partitioned_from_dump(tmp, path_hint)
+  _with_jax_partition_count(module, compiled)
+  return module
+
+
+def _with_jax_partition_count(module: ir.Module, compiled) -> None:
+  """XLA's partitioned proto does not record the partition count: a program
+  whose inputs are replicated (only its output split) tells no mesh without
+  it.  jax's shardings say how many devices it runs on."""
+  import jax
+  shardings = jax.tree.leaves(compiled.input_shardings) + jax.tree.leaves(
+      compiled.output_shardings)
+  module.num_partitions = max([module.num_partitions] + [
+      len(s.device_set) for s in shardings if hasattr(s, "device_set")])
 
 
 def ensure_cpu_devices(n: int) -> None:
@@ -79,8 +92,10 @@ def partition_stablehlo_text(path: str, text: str, num_partitions: int) -> ir.Mo
       module = mlir_ir.Module.parse(text)
       options = compiler.get_compile_options(
           num_replicas=1, num_partitions=num_partitions,
-          device_assignment=[[d] for d in devices[:num_partitions]],
-          use_spmd_partitioning=True, use_shardy_partitioner=True)
+          device_assignment=[devices[:num_partitions]])  # (replicas x partitions)
+      # (Set on the build options: jax 0.10 dropped these keywords.)
+      options.executable_build_options.use_spmd_partitioning = True
+      options.executable_build_options.use_shardy_partitioner = True
       debug = options.executable_build_options.debug_options
       debug.xla_dump_to = tmp
       debug.xla_dump_hlo_pass_re = DUMP_OPTIONS["xla_dump_hlo_pass_re"]
@@ -94,4 +109,6 @@ def partition_stablehlo_text(path: str, text: str, num_partitions: int) -> ir.Mo
       except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(path, f"XLA could not partition this module: {first}") from None
-    return partitioned_from_dump(tmp, path)
+    module = partitioned_from_dump(tmp, path)
+  module.num_partitions = num_partitions  # (a proto does not record it)
+  return module

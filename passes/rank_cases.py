@@ -153,7 +153,7 @@ class RankCases:
     else:
       return None
     found = self._dynamic_index(op, first) if self.partition_id is not None else None
-    if found is None or math.prod(op.results[0].shape) == 0:
+    if found is None or math.prod(op.results[0].shape) == 0 or not self.mesh.axes:
       return None
     k, index = found
     ranks = self.per_rank(index)
@@ -174,7 +174,7 @@ class RankCases:
     return first, sizes, k, index, axis, values
 
   def scatter_plan(self, op: ir.Op) -> Optional[tuple[str, list[Optional[int]]]]:
-    """(x, start at r_x = 0 .. |x| - 1, None where the window lands nowhere)
+    """(axis, start at r_axis = 0, 1, .., None where the window lands nowhere)
     if ``op`` is a scatter of one window at a row computed from the partition
     id that some rank writes nowhere (GSPMD's ``x.at[i].set(u)`` on a dim split
     over x: row ``i - offset(r)`` of each tile); None: left as it is."""

@@ -38,6 +38,18 @@ def test_gspmd_is_proved_from_specs():
   assert result.refines, result
 
 
+@pytest.mark.parametrize("out_spec, relation", [
+    (P(None, "tp"), "concat[dim1:a0](out0@r)"), (P(), "replica(out0@r)")])
+def test_gspmd_with_replicated_inputs_reads_the_partition_count_from_jax(out_spec, relation):
+  """XLA's partitioned module records no sharding for these inputs, nor the
+  partition count: it comes from the jitted function's own shardings (the
+  output's layout is then the clean relation found)."""
+  specs = (P(), P(), P())
+  result = gg.verify(mlp, mlp, *ARGS, mesh=MESH, in_specs=specs, out_specs=out_spec)
+  assert result.refines, result
+  assert [o.relation for o in result.outputs] == [relation]
+
+
 def test_pmean_reported_with_location():
   result = gg.verify(mlp, _tp(lambda y: jax.lax.pmean(y, "tp")), *ARGS, mesh=MESH,
                      in_specs=SPECS)

@@ -13,6 +13,8 @@ from tools import gen_testdata
     ("llama3/dp_tp/shard_map/ok", "dist.mlir", 0),
     ("llama3/dp_tp/shard_map/wrong_replica_groups", "dist.mlir", 1),
     ("gpt2/tp_scan/gspmd/ok", "dist.hlo.pb", 0),
+    ("llama3/dp_tp_grad/gspmd/ok", "dist.mlir", 0),  # sharded StableHLO: XLA partitions it
+    ("llama3/pp_gpipe/gspmd/fed_to_stage_1", "dist.mlir", 1),
     ("llama3/dp_tp/gspmd/wrong_replica_groups", "dist.hlo.txt", 1),
 ])
 def test_dumped_model_pair_verifies(tmp_path, capsys, name, dist_file, code):

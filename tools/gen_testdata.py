@@ -10,6 +10,9 @@
 Per case, in ``DIR/<case name with / as __>/``:
   seq.mlir              the sequential program, StableHLO with source locations
   dist.mlir             shard_map cases: StableHLO with the manual computation
+  dist.mlir             GSPMD cases: StableHLO with the shardings, as
+                        ``jax.jit(f).lower(...).as_text()`` writes it
+                        (gg-hlo-verify partitions it with XLA)
   dist.hlo.txt/.hlo.pb  GSPMD cases: XLA's per-device module right after
                         spmd-partitioning, as HLO text and as an HLO proto
                         (a GSPMD bug: the edited HLO text alone)
@@ -67,11 +70,12 @@ def dump_case(case, outdir: str) -> list[str]:
       f.write(_relative(partitioned_text(case)))
     return written + [path]
   lowered = jax.jit(case.dist_fn, **kw).lower(*case.dist_args)
+  path = os.path.join(outdir, "dist.mlir")  # GSPMD: sharded, gg-hlo-verify partitions it
+  with open(path, "w") as f:
+    f.write(_relative(lowered.as_text(debug_info=True)))
+  written.append(path)
   if case.style == "shard_map":
-    path = os.path.join(outdir, "dist.mlir")
-    with open(path, "w") as f:
-      f.write(_relative(lowered.as_text(debug_info=True)))
-    return written + [path]
+    return written
   with tempfile.TemporaryDirectory() as tmp:
     lowered.compile(compiler_options={
         "xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning",
