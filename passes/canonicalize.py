@@ -59,8 +59,10 @@ Pattern = Callable[[ir.Module, ir.Graph, ir.Op], Optional[ir.Value]]
 
 
 def _identity_shape_op(module, graph, op) -> Optional[ir.Value]:
-  if op.name in ("reshape", "broadcast_in_dim", "convert", "copy", "slice") and \
-      len(op.operands) == 1:
+  # (A sharding constraint only annotates: a model with them, lowered as the
+  # sequential program, keeps them as ops.)
+  if op.name in ("reshape", "broadcast_in_dim", "convert", "copy", "slice",
+                 "sdy.sharding_constraint") and len(op.operands) == 1:
     x = op.operands[0]
     if x.type == op.results[0].type:
       if op.name != "broadcast_in_dim" or tuple(op.attrs["broadcast_dimensions"]) == tuple(

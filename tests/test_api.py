@@ -50,6 +50,21 @@ def test_gspmd_with_replicated_inputs_reads_the_partition_count_from_jax(out_spe
   assert [o.relation for o in result.outputs] == [relation]
 
 
+def test_sharding_constraints_in_the_sequential_program_only_annotate():
+  """A model with sharding constraints, lowered unsharded as the sequential
+  program, keeps them as ops: they are its operand."""
+  from jax.sharding import NamedSharding
+
+  def constrained(x, w1, w2):
+    h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w1), NamedSharding(MESH, P(None, "tp")))
+    return h @ w2
+  result = gg.verify(constrained, constrained, *ARGS, mesh=MESH, in_specs=SPECS, out_specs=P())
+  assert result.refines, result
+  wrong = lambda x, w1, w2: constrained(x, w1, w2) * 2
+  assert not gg.verify(constrained, wrong, *ARGS, mesh=MESH, in_specs=SPECS,
+                       out_specs=P()).refines
+
+
 def test_pmean_reported_with_location():
   result = gg.verify(mlp, _tp(lambda y: jax.lax.pmean(y, "tp")), *ARGS, mesh=MESH,
                      in_specs=SPECS)
