@@ -747,7 +747,8 @@ def _reduction_of_zeros(module, graph, op) -> Optional[ir.Value]:
 
 
 _SCALAR_ARITHMETIC = {"constant", "add", "subtract", "multiply", "minimum", "maximum", "negate",
-                      "divide", "remainder", "compare", "and", "or", "not", "convert", "select"}
+                      "divide", "remainder", "compare", "and", "or", "not", "convert", "select",
+                      "reshape"}  # (a scan's step read from its xs: a one-element row)
 
 
 def _scalar_of_constants(module, graph, op) -> Optional[ir.Value]:

@@ -42,10 +42,11 @@ def _seq(stages):
   return seq
 
 
-def _pipeline(mesh, shift=1, injected_row=0, collected_row=-1, fori=False):
+def _pipeline(mesh, shift=1, injected_row=0, collected_row=-1, fori=False, scan=False):
   """``fori``: the steps under ``lax.fori_loop`` (MaxText's loop), the state
   carried under its sharding constraint, a copy of the roll's permute; the
-  loop is unrolled (ring_loops.py)."""
+  loop is unrolled (ring_loops.py).  ``scan``: under ``lax.scan`` over the
+  step numbers instead, each step reading its number from a row of them."""
   stages = mesh.shape["pp"]
   split = lambda v: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, P("pp")))
 
@@ -53,7 +54,7 @@ def _pipeline(mesh, shift=1, injected_row=0, collected_row=-1, fori=False):
     batches = x.reshape(MICROBATCHES, ROWS, D)
     state = split(jnp.zeros((stages, ROWS, D)))
     outputs = jnp.zeros_like(batches)
-    if fori:
+    if fori or scan:
       def step(t, carry):
         state, outputs = carry
         fresh = jax.lax.dynamic_index_in_dim(batches, jnp.minimum(t, MICROBATCHES - 1), 0,
@@ -65,7 +66,12 @@ def _pipeline(mesh, shift=1, injected_row=0, collected_row=-1, fori=False):
                                                       jnp.maximum(done, 0), 0)
         outputs = jnp.where(done >= 0, written, outputs)
         return split(jnp.roll(state, shift, axis=0)), outputs
-      _, outputs = jax.lax.fori_loop(0, MICROBATCHES + stages - 1, step, (state, outputs))
+      steps = MICROBATCHES + stages - 1
+      if scan:
+        (_, outputs), _ = jax.lax.scan(lambda carry, t: (step(t, carry), None),
+                                       (state, outputs), jnp.arange(steps))
+      else:
+        _, outputs = jax.lax.fori_loop(0, steps, step, (state, outputs))
       return outputs.reshape(x.shape)
     for t in range(MICROBATCHES + stages - 1):
       if t < MICROBATCHES:  # (halved here: the device holds a splat 0.5 of a microbatch's
@@ -97,11 +103,12 @@ def _verified(stages, **bug):
   return args, verify_and_check(lower_sequential(_seq(stages), *args), _lowered(stages, **bug))
 
 
-@pytest.mark.parametrize("stages, fori", [(2, False), (4, False), (4, True)])
-def test_gspmd_gpipe_is_proved_and_its_relations_hold(stages, fori):
+@pytest.mark.parametrize("stages, loop", [(2, {}), (4, {}), (4, {"fori": True}),
+                                          (4, {"scan": True})], ids=str)
+def test_gspmd_gpipe_is_proved_and_its_relations_hold(stages, loop):
   mesh = mesh_of((stages,), ("pp",))
-  args, (result, check) = _verified(stages, fori=fori)
-  assert outputs_agree(_seq(stages), _pipeline(mesh, fori=fori), *args)
+  args, (result, check) = _verified(stages, **loop)
+  assert outputs_agree(_seq(stages), _pipeline(mesh, **loop), *args)
   assert result.refines and check.ok, (result, check)
 
 
