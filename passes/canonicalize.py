@@ -932,6 +932,9 @@ def canonical_local_op(name: str, attrs: dict, operand_types: list[ir.TensorType
     name, attrs = "reshape", {}  # as _transpose_of_unit_dims spells it in the graphs
   if name == "slice" and len(operand_types) == 1 and operand_types[0] == result_type:
     return None  # every element, in place (a stage's one layer of its stack)
+  if name == "pad" and not any(any(attrs[k]) for k in (
+      "edge_padding_low", "edge_padding_high", "interior_padding")):
+    return None  # no room added: a row set into its rank's one-row tile
   if name in ("reshape", "broadcast_in_dim", "convert", "copy") and len(operand_types) == 1:
     src = operand_types[0]
     if src == result_type and (name != "broadcast_in_dim" or tuple(

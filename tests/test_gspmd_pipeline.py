@@ -112,6 +112,31 @@ def test_gspmd_gpipe_is_proved_and_its_relations_hold(stages, loop):
   assert result.refines and check.ok, (result, check)
 
 
+def _set_row(mesh, row, constrained=True):
+  def f(x):
+    state = jnp.zeros((mesh.shape["pp"], D))
+    if constrained:
+      state = jax.lax.with_sharding_constraint(state, NamedSharding(mesh, P("pp")))
+    return jnp.tanh(state.at[row].set(x * 2))
+  return f
+
+
+@pytest.mark.parametrize("row, dist_row", [(0, 0), (2, 2), (3, 3), (2, 3), (1, 0)])
+def test_a_row_set_into_a_state_split_by_rows(row, dist_row):
+  """``state.at[row].set(u)`` alone, the state split over "pp" one row per
+  rank: XLA's scatter lands on rank ``row``, a select per rank here; proved
+  where the sequential program sets the same row, refused at its pad where
+  it sets another."""
+  mesh = mesh_of((4,), ("pp",))
+  x = jnp.zeros((D,))
+  dist = lower_distributed(jax.jit(_set_row(mesh, dist_row)), *_abstract_args((x,), mesh, (P(),)),
+                           out_shardings=NamedSharding(mesh, P("pp")))
+  result, check = verify_and_check(lower_sequential(_set_row(mesh, row, False), x), dist)
+  assert check.ok and result.refines == (row == dist_row), result
+  if row != dist_row:
+    assert result.failure.op_name == "pad"
+
+
 def test_the_microbatch_set_into_stage_zero_is_split_per_rank():
   """XLA writes ``state.at[0].set(m)`` as a scatter at row ``0 - stage`` of
   each one-row tile; after prepare_dist no scatter is left."""
