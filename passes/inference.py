@@ -804,9 +804,11 @@ class RelationInference:
     return out
 
   def _children(self, op: ir.Op, combo, step) -> Optional[tuple[int, ...]]:
-    # A splat's partners' shapes: the device may hold the tile with other unit
-    # dims (unit_dims.py), its splats too.
-    partners = {self.deg.class_type(r.cls) for r, _ in combo if r != "splat"}
+    # An elementwise op's splat pairs with its other operands element by
+    # element: the device may hold their tiles with other unit dims
+    # (unit_dims.py), its splats too.
+    partners = {self.deg.class_type(r.cls) for r, _ in combo
+                if r != "splat"} if op.name in ELEMENTWISE else set()
     children = []
     for v, (r, l) in zip(op.operands, combo):
       if r == "splat":
@@ -825,8 +827,8 @@ class RelationInference:
     """The per-device splat of ``value`` shaped as the tile, or as the tile
     up to unit dims: a piece of ``x + 0.5`` has the sequential shape, a
     pipeline stage's tile one more unit dim, and so has its splat.  Of the
-    splats equal up to unit dims, one shaped as a partner operand (an
-    elementwise op pairs them)."""
+    splats equal up to unit dims, one shaped as a partner operand first (an
+    elementwise op's), then the tile's own shape."""
     alike = [t for t in self.deg.splat_types(value, local.dtype) if squeeze(t) == squeeze(local)]
     best = min(alike, key=lambda t: (t not in partners, t != local), default=None)
     return None if best is None else self.deg.lookup_splat(value, best)
