@@ -103,6 +103,8 @@ def _unit_variants(name: str, attrs: dict, operand_types: list[ir.TensorType],
       yield {**attrs, "dimensions": variant}, ir.TensorType(shape, result_type.dtype)
   elif name == "dot_general":
     yield from _dot(attrs, operand_types, child_types, result_type)
+  elif name == "transpose":
+    yield from _transpose(attrs, operand_types[0], child_types[0], result_type)
 
 
 # Leading unit dims a broadcast's result may gain under vmap (nested vmaps: 2).
@@ -214,6 +216,17 @@ def _dot(attrs, operand_types, child_types, result_type):
   if squeeze(ir.TensorType(shape, "f32")).shape != squeeze(result_type).shape:
     return
   yield out, ir.TensorType(shape, result_type.dtype)
+
+
+def _transpose(attrs, t: ir.TensorType, c: ir.TensorType, result_type):
+  """The transpose moving ``c``'s non-unit dims as ``attrs`` moves ``t``'s,
+  ``c``'s unit dims kept in place (a stage's unit dim in front, where the
+  sequential tile has a microbatch's unit dim elsewhere)."""
+  m = _remap(t, c)
+  moved = iter(m[d] for d in attrs["permutation"] if d in m)
+  perm = tuple(j if c.shape[j] == 1 else next(moved) for j in range(c.rank))
+  yield {**attrs, "permutation": perm}, ir.TensorType(tuple(c.shape[j] for j in perm),
+                                                      result_type.dtype)
 
 
 def unit_dim_lifts(layout, tile: tuple[int, ...], held: tuple[int, ...]

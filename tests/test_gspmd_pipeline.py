@@ -137,6 +137,24 @@ def test_a_row_set_into_a_state_split_by_rows(row, dist_row):
     assert result.failure.op_name == "pad"
 
 
+def test_a_sequential_model_vmapped_over_the_microbatches():
+  """The sequential model written per microbatch and vmapped over them: its
+  pieces are one microbatch row, a unit dim where the device's stage has its
+  own (unit_dims.py's transpose keeping the device's unit dim in place)."""
+  mesh = mesh_of((4,), ("pp",))
+
+  def seq(ws, xs):
+    return jax.vmap(lambda x: _seq(4)(ws, x))(xs)
+  pipe = _pipeline(mesh)  # (given the microbatches as they are: [4, rows, d])
+  ws, x = _args(4)
+  xs = x.reshape(MICROBATCHES, ROWS, D)
+  assert outputs_agree(seq, pipe, ws, xs)
+  dist = lower_distributed(pipe, *_abstract_args((ws, xs), mesh, (P("pp"), P())),
+                           out_shardings=NamedSharding(mesh, P()))
+  result, check = verify_and_check(lower_sequential(seq, ws, xs), dist)
+  assert result.refines and check.ok, (result, check)
+
+
 def test_the_microbatch_set_into_stage_zero_is_split_per_rank():
   """XLA writes ``state.at[0].set(m)`` as a scatter at row ``0 - stage`` of
   each one-row tile; after prepare_dist no scatter is left."""

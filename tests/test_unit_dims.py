@@ -97,6 +97,18 @@ def test_dot_general(data):
   _check("dot_general", attrs, [x, y], (b, m, n), [dl, dr])
 
 
+@SETTINGS
+@given(st.data())
+def test_transpose(data):
+  """The device's unit dims stay in place, its other dims move as the
+  sequential tile's do."""
+  shape = data.draw(shapes_with_units(max_rank=3))
+  dev = data.draw(device_spelling(shape))
+  perm = tuple(data.draw(st.permutations(range(len(shape)))))
+  x = np.random.default_rng(8).standard_normal(shape)
+  assert _check("transpose", {"permutation": perm}, [x], [shape[p] for p in perm], [dev])
+
+
 # -- ops under vmap over a dim held one row per device (GSPMD's pipeline stages) ----
 
 @st.composite
