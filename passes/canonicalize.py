@@ -135,20 +135,6 @@ def _reshape_of_unit_broadcast(module, graph, op) -> Optional[ir.Value]:
   return y
 
 
-def _unit_broadcast_of_reshape(module, graph, op) -> Optional[ir.Value]:
-  """broadcast(reshape(y)) that only adds unit dims, back to y's shape, is y
-  (both keep the elements' order: GSPMD squeezes a row it then sets whole)."""
-  if op.name != "broadcast_in_dim":
-    return None
-  x = op.operands[0]
-  p = x.producer
-  if p is None or p.name != "reshape" or p.operands[0].type != op.results[0].type:
-    return None
-  if not only_unit_dims_change(op.name, op.attrs, x.type, op.results[0].type):
-    return None
-  return p.operands[0]
-
-
 def _broadcast_of_broadcast(module, graph, op) -> Optional[ir.Value]:
   if op.name != "broadcast_in_dim":
     return None
@@ -665,8 +651,7 @@ def _slab_forms(module, graph, op) -> Optional[ir.Value]:
 
 PATTERNS: tuple[Pattern, ...] = (
     _identity_shape_op, _reduce_precision_to_own, _reshape_inserting_units, _reshape_of_reshape,
-    _reshape_of_unit_broadcast, _unit_broadcast_of_reshape, _broadcast_of_broadcast,
-    _transpose_of_transpose,
+    _reshape_of_unit_broadcast, _broadcast_of_broadcast, _transpose_of_transpose,
     _transpose_of_unit_dims,
     _transpose_through_all_reduce,
     _broadcast_expanding_units,

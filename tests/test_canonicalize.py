@@ -81,27 +81,6 @@ def test_identity_ops_vanish_and_double_reshape_merges():
   _check(m, g, [np.arange(24.0).reshape(4, 6)], ["reshape"])
 
 
-def test_a_squeezed_row_spread_back_to_its_shape_is_the_row():
-  """GSPMD squeezes a row ([1, 2, 8] -> [2, 8]) it then sets over a one-row
-  tile, a broadcast back to [1, 2, 8]: the row itself."""
-  m, g = _graph([_t(1, 2, 8)])
-  x = g.params[0]
-  r = _op(m, g, "reshape", [x], _t(2, 8))
-  b = _op(m, g, "broadcast_in_dim", [r], _t(1, 2, 8), broadcast_dimensions=(1, 2))
-  g.results = [_op(m, g, "tanh", [b], _t(1, 2, 8))]
-  _check(m, g, [np.arange(16.0).reshape(1, 2, 8)], ["tanh"])
-  assert g.ops[0].operands == [x]
-
-
-def test_a_reshape_spread_to_another_shape_is_kept():
-  """[1, 2, 8] -> [2, 8] -> [2, 1, 8]: not the operand's shape (one reshape)."""
-  m, g = _graph([_t(1, 2, 8)])
-  r = _op(m, g, "reshape", [g.params[0]], _t(2, 8))
-  g.results = [_op(m, g, "broadcast_in_dim", [r], _t(2, 1, 8), broadcast_dimensions=(0, 2))]
-  canonicalize_graph(m, g)
-  assert g.results[0] is not g.params[0]
-
-
 def test_iota_becomes_broadcast_of_a_line():
   m, g = _graph([])
   g.results = [_op(m, g, "iota", [], _t(4, 5, dtype="i32"), iota_dimension=1)]
