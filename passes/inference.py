@@ -241,6 +241,7 @@ class RelationInference:
     self.capped: set[int] = set()
     self._transfer_memo: dict[tuple, list[Relation]] = {}
     self._step_memo: dict[tuple, list] = {}
+    self._variant_memo: dict[tuple, list] = {}
     self.splats: dict[int, float] = {}
     self.input_layouts = input_layouts or dist.param_layouts
     self.constant_values = ConstantValues(
@@ -628,9 +629,13 @@ class RelationInference:
       # whether or not the device reshapes it.
       return children[0]
     # Tiles with unit dims: the device may hold them squeezed (unit_dims.py).
-    child_types = [self.deg.class_type(c) for c in children]
-    for attrs2, result_type in squeezed_variants(name, attrs, operand_types, child_types,
-                                                 step.result_type):
+    child_types = tuple(self.deg.class_type(c) for c in children)
+    key = (name, terms.attrs_key(attrs), tuple(operand_types), child_types, step.result_type)
+    variants = self._variant_memo.get(key)
+    if variants is None:  # (a pure function of the types: identical layers ask alike)
+      variants = self._variant_memo[key] = list(squeezed_variants(
+          name, attrs, operand_types, list(child_types), step.result_type))
+    for attrs2, result_type in variants:
       self.lookups += 1
       head2 = terms.op_head(name, attrs2, result_type, tuple(op.regions), k)
       found = self.deg.lookup(head2, children)
@@ -829,6 +834,9 @@ class RelationInference:
     pipeline stage's tile one more unit dim, and so has its splat.  Of the
     splats equal up to unit dims, one shaped as a partner operand first (an
     elementwise op's), then the tile's own shape."""
+    found = self.deg.lookup_splat(value, local)
+    if found is not None and (not partners or local in partners):
+      return found  # (the common case, one lookup)
     alike = [t for t in self.deg.splat_types(value, local.dtype) if squeeze(t) == squeeze(local)]
     best = min(alike, key=lambda t: (t not in partners, t != local), default=None)
     return None if best is None else self.deg.lookup_splat(value, best)

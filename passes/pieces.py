@@ -408,14 +408,17 @@ class Pieces:
     for r0 in inf.whole_relations(first):
       if not r0.layout.is_plain() or tuple(r0.layout.dims[split.dim]) != split.axes:
         continue
+      joins = [op for op in inf.users.get(r0.cls, ()) if op.name == "concatenate"
+               and op.attrs.get("dimension") == split.dim
+               and len(op.operands) == len(split.terms)]
+      if not joins:
+        continue
       # Each piece may be held by several values alike (the all-reduce that
       # brought it together and its reshape): any of them may be the operand.
       held = [{r.cls for r in inf.whole_relations(t) if r.layout == r0.layout}
               for t in split.terms]
-      for op in inf.users.get(r0.cls, ()) if all(held) else ():
-        if op.name == "concatenate" and op.attrs.get("dimension") == split.dim and \
-            len(op.operands) == len(held) and \
-            all(inf.deg.of(v) in h for v, h in zip(op.operands, held)):
+      for op in joins:
+        if all(inf.deg.of(v) in h for v, h in zip(op.operands, held)):
           inf.add_relation(s, Relation(inf.deg.of(op.results[0]), r0.layout,
                                        "pieces-concatenated"))
 
