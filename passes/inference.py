@@ -811,16 +811,19 @@ class RelationInference:
   def _children(self, op: ir.Op, combo, step) -> Optional[tuple[int, ...]]:
     # An elementwise op's splat pairs with its other operands element by
     # element: the device may hold their tiles with other unit dims
-    # (unit_dims.py), its splats too.
-    partners = {self.deg.class_type(r.cls) for r, _ in combo
-                if r != "splat"} if op.name in ELEMENTWISE else set()
+    # (unit_dims.py), its splats too.  Any other op reads its operands' shapes
+    # (a dynamic_update_slice's update: a row or a column): the tile's own.
+    elementwise = op.name in ELEMENTWISE
+    partners = {self.deg.class_type(r.cls) for r, _ in combo if r != "splat"}
     children = []
     for v, (r, l) in zip(op.operands, combo):
       if r == "splat":
         local = l.local_shape(v.shape, self.mesh)
         if local is None:
           return None
-        cls = self._splat_class(self.splats[v.id], ir.TensorType(local, v.type.dtype), partners)
+        local = ir.TensorType(local, v.type.dtype)
+        cls = self._splat_class(self.splats[v.id], local, partners) if elementwise else \
+            self.deg.lookup_splat(self.splats[v.id], local)
         if cls is None:
           return None
         children.append(cls)
@@ -829,13 +832,13 @@ class RelationInference:
     return tuple(children)
 
   def _splat_class(self, value: float, local: ir.TensorType, partners) -> Optional[int]:
-    """The per-device splat of ``value`` shaped as the tile, or as the tile
-    up to unit dims: a piece of ``x + 0.5`` has the sequential shape, a
-    pipeline stage's tile one more unit dim, and so has its splat.  Of the
-    splats equal up to unit dims, one shaped as a partner operand first (an
-    elementwise op's), then the tile's own shape."""
+    """An elementwise op's per-device splat of ``value`` shaped as the tile,
+    or as the tile up to unit dims: a piece of ``x + 0.5`` has the
+    sequential shape, a pipeline stage's tile one more unit dim, and so has
+    its splat.  Of the splats equal up to unit dims, one shaped as a partner
+    operand first, then the tile's own shape."""
     found = self.deg.lookup_splat(value, local)
-    if found is not None and (not partners or local in partners):
+    if found is not None and local in partners:
       return found  # (the common case, one lookup)
     alike = [t for t in self.deg.splat_types(value, local.dtype) if squeeze(t) == squeeze(local)]
     best = min(alike, key=lambda t: (t not in partners, t != local), default=None)

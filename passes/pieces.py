@@ -414,11 +414,15 @@ class Pieces:
       if not joins:
         continue
       # Each piece may be held by several values alike (the all-reduce that
-      # brought it together and its reshape): any of them may be the operand.
+      # brought it together and its reshape): any of them may be the operand,
+      # if it holds the piece's tile in the tile's own shape (one with other
+      # unit dims, concatenated, would interleave other elements).
       held = [{r.cls for r in inf.whole_relations(t) if r.layout == r0.layout}
               for t in split.terms]
+      tiles = [r0.layout.local_shape(t.shape, inf.mesh) for t in split.terms]
       for op in joins:
-        if all(inf.deg.of(v) in h for v, h in zip(op.operands, held)):
+        if all(inf.deg.of(v) in h and tuple(v.shape) == tuple(tile or ())
+               for v, h, tile in zip(op.operands, held, tiles)):
           inf.add_relation(s, Relation(inf.deg.of(op.results[0]), r0.layout,
                                        "pieces-concatenated"))
 

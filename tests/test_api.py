@@ -65,6 +65,25 @@ def test_sharding_constraints_in_the_sequential_program_only_annotate():
                        out_specs=P()).refines
 
 
+def test_a_splat_update_of_another_shape_is_another_update():
+  """Zeros written as a row sequentially and as a column on the devices: the
+  two splats are equal up to unit dims, but a dynamic_update_slice reads its
+  update's shape (an audit's counterexample to a splat matched up to unit
+  dims for any op: only an elementwise op pairs its operands so)."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+
+  def seq(x):
+    return jax.lax.dynamic_update_slice(x, jnp.zeros((1, 3), x.dtype), (0, 0))
+
+  def body(x):
+    return jax.lax.dynamic_update_slice(x, jnp.zeros((3, 1), x.dtype), (0, 0))
+  dist = shard_map(body, mesh=mesh, in_specs=(P(),), out_specs=P(), check_vma=False)
+  x = jax.ShapeDtypeStruct((3, 3), jnp.float32)
+  assert not gg.verify(seq, dist, x, mesh=mesh, in_specs=(P(),), out_specs=P()).refines
+  assert gg.verify(seq, shard_map(seq, mesh=mesh, in_specs=(P(),), out_specs=P(),
+                                  check_vma=False), x, mesh=mesh, in_specs=(P(),)).refines
+
+
 def test_pmean_reported_with_location():
   result = gg.verify(mlp, _tp(lambda y: jax.lax.pmean(y, "tp")), *ARGS, mesh=MESH,
                      in_specs=SPECS)
