@@ -35,9 +35,9 @@ def test_gspmd_pair_refines(capsys, dist):
   assert "refines" in out
 
 
-def test_a_sharded_stablehlo_file_whose_output_alone_is_split(tmp_path, capsys):
-  """Replicated inputs, the output split over "tp": XLA's partitioned proto
-  does not record the partition count; the file's header does."""
+def _output_alone_split(tmp_path):
+  """An MLP with replicated inputs and its output split over "tp": the
+  sequential module written to ``tmp_path``, and the jitted one lowered."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -49,10 +49,16 @@ def test_a_sharded_stablehlo_file_whose_output_alone_is_split(tmp_path, capsys):
   sharded = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, P()))
              for s in shapes]
   (tmp_path / "seq.mlir").write_text(jax.jit(mlp).lower(*args).as_text())
-  (tmp_path / "dist.mlir").write_text(jax.jit(mlp, out_shardings=NamedSharding(
-      mesh, P(None, "tp"))).lower(*sharded).as_text())
-  code, out, _ = _run(capsys, str(tmp_path / "seq.mlir"), str(tmp_path / "dist.mlir"),
-                      "--format", "json")
+  return str(tmp_path / "seq.mlir"), jax.jit(mlp, out_shardings=NamedSharding(
+      mesh, P(None, "tp"))).lower(*sharded)
+
+
+def test_a_sharded_stablehlo_file_whose_output_alone_is_split(tmp_path, capsys):
+  """XLA's partitioned proto does not record the partition count; the
+  sharded file's header does."""
+  seq, lowered = _output_alone_split(tmp_path)
+  (tmp_path / "dist.mlir").write_text(lowered.as_text())
+  code, out, _ = _run(capsys, seq, str(tmp_path / "dist.mlir"), "--format", "json")
   assert code == 0, out
   assert json.loads(out)["outputs"] == [{"index": 0, "relation": "concat[dim1:a0](out0@r)"}]
 
@@ -62,22 +68,11 @@ def test_a_partitioned_proto_that_tells_no_mesh_is_not_a_crash(tmp_path, capsys)
   sharded input, no collective; a program on one device as far as the file
   says (every rank's column offset read from a table of one row)."""
   import glob
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from graphguard_hlo.xla_partition import DUMP_OPTIONS
-  mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
-  mlp = lambda x, w1, w2: jnp.tanh(x @ w1) @ w2
-  shapes = [(8, 16), (16, 32), (32, 16)]
-  args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-  sharded = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, P()))
-             for s in shapes]
-  (tmp_path / "seq.mlir").write_text(jax.jit(mlp).lower(*args).as_text())
-  jax.jit(mlp, out_shardings=NamedSharding(mesh, P(None, "tp"))).lower(*sharded).compile(
-      compiler_options=dict(DUMP_OPTIONS, xla_dump_to=str(tmp_path / "dump")))
+  seq, lowered = _output_alone_split(tmp_path)
+  lowered.compile(compiler_options=dict(DUMP_OPTIONS, xla_dump_to=str(tmp_path / "dump")))
   [proto] = glob.glob(str(tmp_path / "dump" / "*after_spmd-partitioning*.pb"))[-1:]
-  code, out, err = _run(capsys, str(tmp_path / "seq.mlir"), proto)
+  code, out, err = _run(capsys, seq, proto)
   assert code in (0, 1) and "Traceback" not in out + err, (code, out, err)
 
 
