@@ -59,7 +59,7 @@ def test_names_and_metadata():
                                    "microbatch_skipped", "output_misplaced", "stale_activation",
                                    "wrong_model_chunk", "replicas_summed",
                                    "wrong_shard_offset", "wrong_normalizer", "wrong_axis",
-                                   "grad_wrong_scale", "first_block_masked"}
+                                   "grad_wrong_scale", "first_block_masked", "wrong_stage"}
   for model in ("gpt2", "llama3"):
     for strategy in ("dp", "tp", "tp_vocab", "sp", "dp_tp", "cp", "dp_tp_cp", "dp_take"):
       for style in ("shard_map", "gspmd"):
@@ -67,6 +67,7 @@ def test_names_and_metadata():
     strategies.get(f"{model}/fsdp/shard_map/ok")
     strategies.get(f"{model}/pp/shard_map/ok")
     strategies.get(f"{model}/pp_grad/shard_map/ok")
+    strategies.get(f"{model}/pp_gpipe/gspmd/ok")
     strategies.get(f"{model}/pp_tp_grad/shard_map/ok")
     strategies.get(f"{model}/fsdp_take_grad/shard_map/ok")
     strategies.get(f"{model}/tp_vocab_take_grad/gspmd/ok")

@@ -70,6 +70,9 @@ class Case:
   # relation-file syntax (README): a data loader's zig-zag batches
   # (``orderK=``), given to the verifier as ``--relation`` would.
   relation: Optional[str] = None
+  # GSPMD: the model under a schedule written for GSPMD (a pipeline, as
+  # MaxText's), not the sequential function itself; its bugs are in its Python.
+  scheduled: bool = False
 
   @property
   def program(self) -> str:
@@ -106,12 +109,12 @@ class Case:
     """The invariants every zoo case keeps (AssertionError naming the case)."""
     assert self.style in ("shard_map", "gspmd"), self.name
     assert (self.bug is None) == (self.bug_primitive is None), self.name
-    if self.style == "gspmd" and self.relation is None:
+    if self.style == "gspmd" and self.relation is None and not self.scheduled:
       # The sequential function itself, partitioned by XLA (or the same model
       # with its scanned layer under jax.checkpoint): bugs are XLA's edits.
       assert (self.bug is None) == (self.dist_edit is None), self.name
       assert self.dist_fn is self.seq_fn or "_remat" in self.name, self.name
-    if self.style == "gspmd":  # (with a relation: the user's own program for a reordered batch)
+    if self.style == "gspmd":  # (with a relation, or scheduled: the user's own program)
       assert self.in_shardings is not None and self.out_shardings is not None, self.name
     else:
       assert self.dist_edit is None, self.name

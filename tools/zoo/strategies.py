@@ -1302,7 +1302,7 @@ def _gspmd_gpipe_case(model, cfg, variant: str = "ok", bug=None, bug_primitive=N
               dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
               dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh, style="gspmd", bug=bug,
               bug_primitive=bug_primitive, out_shardings=shard(P()),
-              in_shardings=tuple(shard(spec) for spec in specs))
+              in_shardings=tuple(shard(spec) for spec in specs), scheduled=True)
 
 
 def _partitioner_bug(model, strategy: _Strategy, cfg, grad: bool, variant: str, edit,
