@@ -814,7 +814,8 @@ class RelationInference:
     # (unit_dims.py), its splats too.  Any other op reads its operands' shapes
     # (a dynamic_update_slice's update: a row or a column): the tile's own.
     elementwise = op.name in ELEMENTWISE
-    partners = {self.deg.class_type(r.cls) for r, _ in combo if r != "splat"}
+    partners = {self.deg.class_type(r.cls) for r, _ in combo
+                if r != "splat"} if elementwise else None
     children = []
     for v, (r, l) in zip(op.operands, combo):
       if r == "splat":

@@ -202,9 +202,7 @@ class RankCases:
     def case(start: Optional[int]) -> ir.Value:
       if start is None:
         return x
-      at = place(fresh(module, "constant", [], {"value": reference.constant_array(
-          np.full(index.shape, start), index.type.dtype)}, index.shape, index.type.dtype,
-          op.location))
+      at = _constant(module, fresh, place, start, index.type.dtype, op.location, index.shape)
       new = ir.Op("scatter", [x, at, update], dict(op.attrs), list(op.regions), op.location)
       new.results = [module.new_value(out_type, new, 0)]
       return place(new)
@@ -273,9 +271,9 @@ class RankCases:
         module, fresh, place, self.mesh.axis_size(axis), dtype, loc)], {}, (), dtype, loc))
 
 
-def _constant(module, fresh, place, value: int, dtype: str, location) -> ir.Value:
-  return place(fresh(module, "constant", [], {"value": reference.constant_array(value, dtype)},
-                     (), dtype, location))
+def _constant(module, fresh, place, value: int, dtype: str, location, shape=()) -> ir.Value:
+  return place(fresh(module, "constant", [], {"value": reference.constant_array(
+      np.full(shape, value), dtype)}, shape, dtype, location))
 
 
 def rank_case_patterns(graph: ir.Graph, mesh: ir.Mesh,
