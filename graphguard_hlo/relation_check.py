@@ -42,6 +42,15 @@ class RelationCheck:
   failures: list[str] = dataclasses.field(default_factory=list)
   rtol: float = RTOL        # the relative tolerance the numbers were held to
   skipped: str = ""         # why nothing was checked (a mesh the interpreter cannot run)
+  # The run the relations were held on: the sequential program's inputs, and
+  # the per-device program's inputs and outputs, each a list over its ranks.
+  # A caller that can run the original distributed program (XLA's, from the
+  # JAX function) holds the per-device program against it: relations are
+  # checked on the *prepared* program, and cannot see a preparation that
+  # changed what it computes.
+  seq_inputs: list = dataclasses.field(default_factory=list, repr=False)
+  dist_inputs: list = dataclasses.field(default_factory=list, repr=False)
+  dist_outputs: list = dataclasses.field(default_factory=list, repr=False)
 
   @property
   def ok(self) -> bool:
@@ -56,7 +65,7 @@ def random_value(t: ir.TensorType, rng: np.random.Generator) -> np.ndarray:
   return rng.standard_normal(t.shape) * 0.5
 
 
-def _close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
+def close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   if got.shape != want.shape:
     return False
@@ -91,6 +100,9 @@ def check_relations(inference, seed: int = 0, nonnegative: Sequence[int] = ()) -
     dist_inputs.append([np.asarray(local[c]).astype(x.dtype) for c in coords])
   seq_env = Interpreter(1).run(seq_graph, seq_inputs)
   dist_env = Interpreter(len(coords)).run(dist_graph, dist_inputs)
+  out.seq_inputs = [x for [x] in seq_inputs]
+  out.dist_inputs = dist_inputs
+  out.dist_outputs = [dist_env.get(r.id) for r in dist_graph.results]
 
   seq_values = {p.id: p for p in seq_graph.params}
   seq_values.update({r.id: r for op in seq_graph.ops for r in op.results})
@@ -192,7 +204,7 @@ def _relation_problem(s: ir.Value, want: np.ndarray, layout: Layout, per_rank: l
   if not layout.is_plain():  # a ring's blocks: only the known tiles are claimed
     known = ~np.isnan(np.asarray(got, np.float64))
     got, want = np.asarray(got)[known], np.asarray(want)[known]
-  if not _close(got, want, rtol):
+  if not close(got, want, rtol):
     err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))))
     return f"does not hold (max abs difference {err:.3g})"
   return None
@@ -206,7 +218,7 @@ def _check_classes(members, dist_env, out: RelationCheck) -> None:
     first = known[0]
     for v in known[1:]:
       for a, b in zip(dist_env[first.id], dist_env[v.id]):
-        if np.size(a) != np.size(b) or not _close(np.reshape(b, np.shape(a)), a, out.rtol):
+        if np.size(a) != np.size(b) or not close(np.reshape(b, np.shape(a)), a, out.rtol):
           out.failures.append(f"e-class {cls}: {_name(first)} and {_name(v)} differ")
           break
     out.classes_checked += 1

@@ -1,6 +1,8 @@
 """Every relation the inference earns holds on numbers (a guard against false
-proofs), for every zoo program, correct or buggy; the checker itself catches
-wrong relations; its interpreter agrees with jax."""
+proofs), for every zoo program, correct or buggy; the program those relations
+were held on computes, rank by rank, what the distributed program as written
+does; the checker itself catches wrong relations; its interpreter agrees with
+jax."""
 
 import jax
 import numpy as np
@@ -9,9 +11,9 @@ import pytest
 from graphguard_hlo.interpret import Interpreter
 from graphguard_hlo.passes.inference import Relation, RelationInference
 from graphguard_hlo.pipeline import prepare_dist, prepare_seq
-from graphguard_hlo.relation_check import RTOL, RTOL_BF16, check_relations
+from graphguard_hlo.relation_check import RTOL, RTOL_BF16, check_relations, close
 from tests.zoo_verdicts import verified
-from tools.zoo import cases, strategies
+from tools.zoo import cases, numeric, strategies
 
 ALL = list(cases.all_cases()) + strategies.model_cases()
 
@@ -29,6 +31,36 @@ def test_every_inferred_relation_holds_numerically(case):
   assert check.checked > 0 and check.unknown == 0, check
   if result.refines:  # the outputs' relations are among those checked
     assert check.checked >= len(result.outputs)
+
+
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.name)
+def test_the_prepared_program_computes_what_the_written_one_does(case):
+  """Relations are held on the per-device program *after* preparation
+  (inlining, canonicalization, unrolled rings, rank cases).  A preparation
+  that changed what it computes would go unseen there, and could even mend a
+  seeded bug into a proof.  So: the distributed program as written (XLA's
+  run of the JAX function; a partitioner bug's edited module on the
+  interpreter), on the same inputs, gives every output on every rank as the
+  prepared program did, and was given the inputs the checker laid out."""
+  _, check = verified(case)
+  assert not check.skipped
+  want_inputs, want_outputs = numeric.run_per_device(case, check.seq_inputs)
+  problems = []
+  for k, (want, got) in enumerate(zip(want_inputs, check.dist_inputs)):
+    problems += _rank_differences(f"input {k}", want, got, RTOL_BF16)
+  assert len(want_outputs) == len(check.dist_outputs)
+  for k, (want, got) in enumerate(zip(want_outputs, check.dist_outputs)):
+    assert got is not None, f"output {k}: the interpreter could not compute it"
+    problems += _rank_differences(f"output {k}", want, got, check.rtol)
+  assert not problems, problems[:5]
+
+
+def _rank_differences(what, want, got, rtol):
+  """Ranks whose values of ``what`` differ (up to unit dims, which the
+  prepared program may add or drop)."""
+  assert len(want) == len(got)
+  return [f"{what} at rank {r}" for r, (w, g) in enumerate(zip(want, got))
+          if np.size(w) != np.size(g) or not close(np.reshape(g, np.shape(w)), w, rtol)]
 
 
 def _inference(name, zoo=cases):

@@ -7,7 +7,7 @@ it is no bug at all, just a different but equivalent program).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
@@ -48,3 +48,27 @@ def outputs_match(case: Case, seed: int = 0, rtol: Optional[float] = None,
   seq_out, dist_out = run_both(case, seed)
   return (seq_out.shape == dist_out.shape
           and bool(np.allclose(seq_out, dist_out, rtol=rtol, atol=atol)))
+
+
+def run_per_device(case: Case, inputs: Sequence) -> tuple[list[list], list[list]]:
+  """The distributed program as written, run on the sequential program's
+  global ``inputs``: (each input's shards, each output's values), listed by
+  partition.  XLA compiles and runs it; a GSPMD bug's edited module is run by
+  the reference interpreter, as ``run_both`` does."""
+  inputs = [np.asarray(x).astype(a.dtype) for x, a in zip(inputs, case.seq_args)]
+  if case.dist_edit is not None:
+    from tools.zoo.partitioner_bugs import run_partitioned_per_rank
+    return run_partitioned_per_rank(case, case.dist_inputs(inputs))
+  # Partition k runs on the mesh's k-th device: the device assignment jit
+  # takes from the shardings' mesh, and the rank shard_map's axis_index reads.
+  partition = {d: k for k, d in enumerate(case.mesh.devices.flat)}
+  args = case.dist_inputs(inputs)
+  outs = jax.tree.leaves(_jit_dist(case)(*args))
+  return [_by_partition(a, partition) for a in args], [_by_partition(o, partition) for o in outs]
+
+
+def _by_partition(array: jax.Array, partition: dict) -> list[np.ndarray]:
+  shards = sorted(array.addressable_shards, key=lambda s: partition[s.device])
+  assert [partition[s.device] for s in shards] == list(range(len(partition))), \
+      "an array not on every device of the mesh"
+  return [np.asarray(s.data) for s in shards]

@@ -132,10 +132,10 @@ def load_partitioned(case) -> ir.Module:
   return load_module_bytes(name, partitioned_text(case).encode())
 
 
-def run_partitioned(case, inputs):
-  """The outputs of the case's per-device module (edited, if it has an edit),
-  run on every rank by the reference interpreter on that rank's shards of
-  ``inputs``, put together as the output shardings lay them out."""
+def run_partitioned_per_rank(case, inputs) -> tuple[list[list], list[list]]:
+  """The case's per-device module (edited, if it has an edit) run on every
+  rank by the reference interpreter on that rank's shards of ``inputs``:
+  (each input's shards, each output's values), listed by rank."""
   from graphguard_hlo.interpret import Interpreter
   from graphguard_hlo.passes.inline import inline_calls
   devices = list(case.mesh.devices.flat)
@@ -150,18 +150,28 @@ def run_partitioned(case, inputs):
     index = a.sharding.devices_indices_map(np.shape(x))
     per_rank.append([np.asarray(x)[index[d]] for d in devices])
   env = Interpreter(len(devices)).run(graph, per_rank)
+  for k, result in enumerate(graph.results):
+    if result.id not in env:
+      raise ValueError(f"the interpreter could not compute output {k} of {case.name}")
+  return per_rank, [env[r.id] for r in graph.results]
+
+
+def run_partitioned(case, inputs):
+  """The outputs of the case's per-device module (edited, if it has an edit),
+  run on every rank by the reference interpreter on that rank's shards of
+  ``inputs``, put together as the output shardings lay them out."""
+  devices = list(case.mesh.devices.flat)
+  _, per_rank = run_partitioned_per_rank(case, inputs)
   seq_out = jax.eval_shape(case.seq_fn, *case.seq_args)
   shapes, tree = jax.tree.flatten(seq_out)
   shardings = jax.tree.leaves(case.out_shardings) if isinstance(
       case.out_shardings, (tuple, list)) else [case.out_shardings] * len(shapes)
   outputs = []
-  for k, (shape, sharding, result) in enumerate(zip(shapes, shardings, graph.results)):
-    if result.id not in env:
-      raise ValueError(f"the interpreter could not compute output {k} of {case.name}")
+  for shape, sharding, values in zip(shapes, shardings, per_rank):
     out = np.zeros(shape.shape, shape.dtype)
     written = np.zeros(shape.shape, bool)
     for d, index in sharding.devices_indices_map(shape.shape).items():
-      tile = env[result.id][devices.index(d)]
+      tile = values[devices.index(d)]
       # Ranks holding one replica must agree: where they do not, no output
       # is right (NaN matches nothing the sequential program gives).
       differs = written[index] & ~np.isclose(out[index], tile, rtol=1e-5, atol=1e-6)
