@@ -636,7 +636,7 @@ _SLAB_RULES = {"add": (slabs.sum_of_slabs,),
                "slice": (slabs.slice_of_split_reshape, slabs.slice_past_a_set,
                          slabs.slice_of_slabs, slabs.slice_of_select),
                "reshape": (slabs.reshape_of_concatenation, slabs.unit_reshape_of_select),
-               "gather": (slabs.gather_one_window,),
+               "gather": (slabs.gather_one_window, slabs.gather_of_one_window),
                "select": (slabs.select_of_slabs,)}
 
 

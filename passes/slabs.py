@@ -27,7 +27,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from graphguard_hlo import ir
+import numpy as np
+
+from graphguard_hlo import ir, reference
 from graphguard_hlo.passes.collectives import overwrites
 from graphguard_hlo.passes.terms import scalar_of_broadcast, splat_value
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change
@@ -406,6 +408,49 @@ def gather_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.Valu
   return emit(module, graph, op, "reshape", [place(window)], {})
 
 
+def gather_of_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """gather of one window at a traced start -> reshape(dynamic_slice): the
+  index holds one start vector (its other dims are unit dims), and each
+  batching dim has one row.  A ``dynamic_slice`` vmapped over a dim split
+  into one row per rank gathers so (each pipeline stage picking its repeat's
+  weights, MaxText's ``vmap_parallel_gather``).  Both ops clamp the window
+  into the operand alike, and every dim the window drops has size one, so the
+  window's elements come in the same order."""
+  if op.name != "gather" or len(op.operands) != 2:
+    return None
+  x, index = op.operands
+  dn = dimension_numbers(op.attrs["dimension_numbers"])
+  sizes = tuple(op.attrs["slice_sizes"])
+  batching = tuple(dn.get("operand_batching_dims", ()))
+  dropped = tuple(dn.get("collapsed_slice_dims", ())) + batching
+  start_map = tuple(dn.get("start_index_map", ()))
+  vector_dim = dn["index_vector_dim"]
+  vector = index.shape[vector_dim] if vector_dim < index.type.rank else 1
+  if splat_value(index) is not None or vector != len(start_map) \
+      or any(n != 1 for d, n in enumerate(index.shape) if d != vector_dim) \
+      or any(sizes[d] != 1 for d in dropped) \
+      or not reference.is_integer_type(index.type.dtype):
+    return None  # (a constant start: gather_one_window)
+  dtype = index.type.dtype
+  starts = []
+  for d in range(x.type.rank):
+    if d not in start_map:
+      starts.append(place(fresh(module, "constant", [], {"value": reference.constant_array(
+          np.zeros(()), dtype)}, (), dtype, op.location)))
+      continue
+    j = start_map.index(d)
+    entry = index
+    if vector_dim < index.type.rank:
+      entry = place(_slice(module, fresh, index,
+                           [j if e == vector_dim else 0 for e in range(index.type.rank)],
+                           [j + 1 if e == vector_dim else 1 for e in range(index.type.rank)],
+                           op.location))
+    starts.append(place(fresh(module, "reshape", [entry], {}, (), dtype, op.location)))
+  window = place(fresh(module, "dynamic_slice", [x, *starts], {"slice_sizes": sizes},
+                       sizes, x.type.dtype, op.location))
+  return emit(module, graph, op, "reshape", [window], {})
+
+
 def slice_past_a_set(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
   """slice(x.at[i].set(u)) of rows the set does not touch -> slice(x) (the
   cotangent of a buffer, its rows read one by one as each is zeroed); of
@@ -491,12 +536,18 @@ def unit_reshape_of_select(module, graph, op, fresh, place, emit) -> Optional[ir
 
 
 def _rows_of_a_parameter(v: ir.Value, depth: int = 4) -> bool:
-  """``v`` is a static slice of a parameter, or a select on a flag between
-  such slices: a parameter read at a row computed from the rank."""
+  """``v`` is a static slice of a parameter (or of one with unit dims added
+  or dropped: GSPMD's stage dim of a stack vmapped over the stages), or a
+  select on a flag between such slices: a parameter read at a row computed
+  from the rank."""
   op = v.producer
   if op is None or depth == 0:
     return False
   if op.name == "slice":
-    return op.operands[0].producer is None
+    x = op.operands[0]
+    while x.producer is not None and only_unit_dims_change(
+        x.producer.name, x.producer.attrs, x.producer.operands[0].type, x.type):
+      x = x.producer.operands[0]
+    return x.producer is None
   return op.name == "select" and scalar_of_broadcast(op.operands[0]) is not None and all(
       _rows_of_a_parameter(x, depth - 1) for x in op.operands[1:])

@@ -73,10 +73,10 @@ def op_head(name: str, attrs: dict[str, Any], result_type: ir.TensorType,
 
 def splat_value(v: ir.Value) -> Optional[float]:
   """The scalar a value is filled with, if it is a constant splat (through
-  broadcasts, reshapes and converts, each convert applied to it)."""
+  broadcasts, reshapes, slices and converts, each convert applied to it)."""
   op = v.producer
   converts: list[str] = []  # the types converted to, outermost first
-  while op is not None and op.name in ("broadcast_in_dim", "reshape", "convert", "copy"):
+  while op is not None and op.name in ("broadcast_in_dim", "reshape", "slice", "convert", "copy"):
     if op.name == "convert":
       converts.append(op.results[0].type.dtype)
     op = op.operands[0].producer

@@ -384,3 +384,61 @@ def test_a_squeezed_select_of_computed_values_is_left_alone():
   m, g = _lowered(fn, w, np.bool_(True))
   canonicalize_module(m)
   assert g.results[0].producer.name == "reshape"
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.data())
+def test_a_one_window_gather_at_a_traced_start_is_a_dynamic_slice(data):
+  """``jax.vmap`` of a ``dynamic_slice`` over a batch of one (each pipeline
+  stage picking its repeat's weights from its own row of a stack split over
+  the stages) gathers one window at a traced start: the same numbers as a
+  dynamic_slice, starts drawn past both ends (both clamp the window in)."""
+  import jax
+  from jax import lax
+  rank = data.draw(st.integers(1, 3))
+  shape = [data.draw(st.integers(1, 4)) for _ in range(rank)]
+  sizes = [data.draw(st.integers(1, n)) for n in shape]
+  starts = np.array([[data.draw(st.integers(-2, n + 1)) for n in shape]], np.int32)
+  x = np.random.default_rng(rank).standard_normal([1] + shape).astype(np.float32)
+
+  def fn(x, starts):
+    return jax.vmap(lambda x, i: lax.dynamic_slice(x, tuple(i), sizes))(x, starts)
+  names = _same_after_canonicalizing(fn, x, starts)
+  assert "gather" not in names, names
+
+
+def test_a_stage_picking_its_repeat_by_a_traced_index_reads_a_dynamic_slice():
+  """MaxText's ``vmap_parallel_gather``: ``dynamic_index_in_dim`` vmapped,
+  jnp's negative index wrapped first; a batch of two stays a gather."""
+  import jax
+  from jax import lax
+
+  def pick(w, repeat):
+    return jax.vmap(lambda w, r: lax.dynamic_index_in_dim(w, r, 0, keepdims=False))(w, repeat)
+  w = np.arange(1 * 3 * 2 * 4, dtype=np.float32).reshape(1, 3, 2, 4)
+  for r in (-1, 0, 2, 5):
+    assert "gather" not in _same_after_canonicalizing(pick, w, np.array([r], np.int32))
+  two = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+  assert "gather" in _same_after_canonicalizing(pick, two, np.array([1, 2], np.int32))
+
+
+def test_a_start_sliced_from_a_splat_is_that_constant():
+  """The window's other starts, sliced from the index vector's splat part,
+  read as constants (``terms.splat_value``): the dynamic_slice then moves
+  along one dim only, which rank cases split.  A slice of a constant that is
+  not one splat is not read as one."""
+  from graphguard_hlo.passes.terms import splat_value
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("main")
+  three = m.add_op(g, "constant", [], [_t((), "i32")], {"value": np.array(3, np.int32)}).result
+  row = m.add_op(g, "broadcast_in_dim", [three], [_t((1, 2), "i32")],
+                 {"broadcast_dimensions": ()}).result
+  table = m.add_op(g, "constant", [], [_t((2,), "i32")],
+                   {"value": np.array([3, 4], np.int32)}).result
+
+  def sliced(x, start, limit):
+    return m.add_op(g, "slice", [x], [_t([b - a for a, b in zip(start, limit)], "i32")],
+                    {"start_indices": start, "limit_indices": limit,
+                     "strides": (1,) * len(start)}).result
+  assert splat_value(sliced(row, (0, 1), (1, 2))) == 3
+  assert splat_value(sliced(table, (0,), (1,))) is None
