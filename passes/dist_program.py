@@ -177,14 +177,18 @@ def _partition_id_strides(g: ir.Graph, n: int) -> set[int]:
   """Device-id strides that partition-id arithmetic cuts at: every integer
   computed from partition-id and constants alone (GSPMD's offset tables, also
   nested, divisions and remainders), evaluated on each partition.  They refine
-  the mesh so that e.g. ``partition_id // 2`` is one mesh axis."""
+  the mesh so that e.g. ``partition_id // 2`` is one mesh axis.  Not read
+  through a one-element iota: that is a user's ``jnp.arange`` over an axis
+  split one row per rank (a GSPMD pipeline's stage numbers), and what it
+  computes is a schedule (stage s runs repeat ``(t - s) // m``), which cuts
+  the axis at no stride the layouts have."""
   from graphguard_hlo.passes.rank_arith import partition_id_table, table_strides
   strides: set[int] = set()
   memo: dict = {}
   for op in g.walk():
     for r in op.results:
       if reference.is_integer_type(r.type.dtype) and math.prod(r.shape) == 1:
-        table = partition_id_table(r, n, memo)
+        table = partition_id_table(r, n, memo, iota=False)
         if table is not None:
           strides |= {s for s in table_strides(table) if 1 < s < n and n % s == 0}
   return strides

@@ -290,7 +290,7 @@ class RankArithmetic:
     return None if digit is None else sympy.expand(base + step * digit)
 
 
-_TABLE_OPS = ("constant", "partition_id", "reshape", "convert", "broadcast_in_dim", "copy",
+_TABLE_OPS = ("constant", "iota", "partition_id", "reshape", "convert", "broadcast_in_dim", "copy",
               "add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum",
               "dynamic_slice", "compare", "select", "and", "or", "negate", "abs", "sign")
 
@@ -329,15 +329,18 @@ def tile_turn(values: list[int], size: int) -> Optional[int]:
 
 
 def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None,
-                       aliases: Optional[dict] = None) -> Optional[np.ndarray]:
+                       aliases: Optional[dict] = None, iota: bool = True) -> Optional[np.ndarray]:
   """``v`` (an integer scalar) on each of the ``n`` partitions, if it is
   computed from partition-id and constants only (``aliases``: loop-body
-  parameters that hold an outer value, read through)."""
+  parameters that hold an outer value, read through).  A one-element iota is
+  0: ``jnp.arange(n)`` split one row per rank, as a schedule written for
+  GSPMD numbers its stages (``iota=False``: not read, see
+  ``dist_program._partition_id_strides``)."""
   memo = {} if _memo is None else _memo
   if v.id in memo:
     return memo[v.id]
   if aliases and v.producer is None and v.id in aliases:
-    memo[v.id] = out = partition_id_table(aliases[v.id], n, memo, aliases)
+    memo[v.id] = out = partition_id_table(aliases[v.id], n, memo, aliases, iota)
     return out
   memo[v.id] = None
   op = v.producer
@@ -348,25 +351,27 @@ def partition_id_table(v: ir.Value, n: int, _memo: Optional[dict] = None,
     elif op.name == "constant":
       arr = np.asarray(op.attrs["value"])
       out = np.full(n, int(arr.reshape(-1)[0]), np.int64) if arr.dtype.kind in "iub" else None
+    elif op.name == "iota":
+      out = np.zeros(n, np.int64) if iota else None
     elif op.name == "dynamic_slice":
       table_v, *idx = op.operands
       t = table_v.producer
       if t is not None and t.name == "constant" and len(idx) == 1:
         table = np.asarray(t.attrs["value"]).reshape(-1)
-        i = partition_id_table(idx[0], n, memo, aliases)
+        i = partition_id_table(idx[0], n, memo, aliases, iota)
         if i is not None and table.dtype.kind in "iu":
           out = table[np.clip(i, 0, len(table) - 1)].astype(np.int64)
     elif op.name == "compare":
-      args = [partition_id_table(a, n, memo, aliases) for a in op.operands]
+      args = [partition_id_table(a, n, memo, aliases, iota) for a in op.operands]
       holds = COMPARISONS.get(op.attrs.get("comparison_direction"))
       if all(a is not None for a in args) and holds is not None:
         out = np.asarray(holds(*args), dtype=np.int64)
     elif op.name == "select":
-      args = [partition_id_table(a, n, memo, aliases) for a in op.operands]
+      args = [partition_id_table(a, n, memo, aliases, iota) for a in op.operands]
       if all(a is not None for a in args):
         out = np.where(args[0] != 0, args[1], args[2])
     else:
-      args = [partition_id_table(a, n, memo, aliases) for a in op.operands]
+      args = [partition_id_table(a, n, memo, aliases, iota) for a in op.operands]
       if all(a is not None for a in args):
         out = apply_table_op(op.name, args, v.type.dtype)
   if out is not None and not held_exactly(out, v.type.dtype):

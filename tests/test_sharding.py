@@ -205,3 +205,35 @@ def test_a_permute_some_ranks_sit_out_is_no_axis_permutation():
   assert shd.axes_of_pairs(cycle, mesh) is None
   both = cycle + [(4 + s, 4 + d) for s, d in cycle]
   assert shd.axes_of_pairs(both, mesh) == ("b", {0: 1, 1: 2, 2: 3, 3: 0})
+
+
+def test_a_one_element_iota_is_zero_on_every_partition_and_cuts_no_mesh_axis():
+  """A schedule written for GSPMD numbers its stages by ``jnp.arange(n)``
+  split one row per rank: XLA leaves a one-element iota beside the partition
+  id.  Rank cases read it as 0 (stage s runs repeat ``(5 - s) // 4`` at step
+  5: 1, 1, 0, 0); the mesh does not take that schedule's cut as an axis."""
+  from graphguard_hlo.passes.dist_program import _partition_id_strides
+  from graphguard_hlo.passes.rank_arith import partition_id_table
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("main")
+  pid = _op(m, g, "partition_id", [], "i32")
+  iota = m.add_op(g, "iota", [], [ir.TensorType((1,), "i32")], {"iota_dimension": 0}).result
+  stage = m.add_op(g, "add", [iota, m.add_op(g, "broadcast_in_dim", [pid], [
+      ir.TensorType((1,), "i32")], {"broadcast_dimensions": ()}).result],
+      [ir.TensorType((1,), "i32")], {}).result
+  step = m.add_op(g, "constant", [], [ir.TensorType((1,), "i32")],
+                  {"value": np.array([5], np.int32)}).result
+  four = m.add_op(g, "constant", [], [ir.TensorType((1,), "i32")],
+                  {"value": np.array([4], np.int32)}).result
+  lag = m.add_op(g, "subtract", [step, stage], [ir.TensorType((1,), "i32")], {}).result
+  repeat = m.add_op(g, "divide", [lag, four], [ir.TensorType((1,), "i32")], {}).result
+  np.testing.assert_array_equal(partition_id_table(repeat, 4), [1, 1, 0, 0])
+  assert partition_id_table(repeat, 4, iota=False) is None
+  assert _partition_id_strides(g, 4) == set()
+  # The control: the same table spelled without the iota cuts the mesh at 2.
+  m2 = ir.Module("<test>", "stablehlo")
+  g2 = ir.Graph("main")
+  pid2 = _op(m2, g2, "partition_id", [], "i32")
+  five, four2 = (_op(m2, g2, "constant", [], "i32", value=np.array(v, np.int32)) for v in (5, 4))
+  _op(m2, g2, "divide", [_op(m2, g2, "subtract", [five, pid2]), four2])
+  assert _partition_id_strides(g2, 4) == {2}
