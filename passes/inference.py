@@ -437,6 +437,12 @@ class RelationInference:
           # read with activations sent to the wrong stage): this op is the
           # first one wrong, not where the broadcast began.
           return _with_reason(diagnose_op(self, op, pin_words), self.pieces.explain(op))
+        if self.pieces.computed_on_some(op) or self._whole_reader_of_a_broadcast(op):
+          # A weight's broadcast left for pieces, read here on some pieces
+          # (a stage that ran one microbatch with another layer's weights),
+          # or with no pieces at all (a whole value the per-device program
+          # computed otherwise): this op goes wrong, not the broadcast.
+          return _with_reason(diagnose_op(self, op), self.pieces.explain(op))
         return self.deferred_failure(op.operands)
       if unrelated and self.pieces.splits and op.name == "broadcast_in_dim" and (
           self.whole_relations(op.operands[0]) or op.operands[0].id in self.splats):
@@ -448,6 +454,13 @@ class RelationInference:
       if unrelated:
         return _with_reason(diagnose_op(self, op), self.pieces.explain(op))
     return None
+
+  def _whole_reader_of_a_broadcast(self, op: ir.Op) -> bool:
+    """Does ``op`` read a broadcast left for pieces (not an input-free
+    constant's) beside operands none of which is cut into pieces?"""
+    return any(self.deferred_broadcast_operand(v) is not None
+               and not self.constant_values.is_known(v) for v in op.operands) \
+        and not any(v.id in self.pieces.splits for v in op.operands)
 
   def defer(self, v: ir.Value, origin: ir.Op) -> None:
     """Leave ``v`` unrelated for now; if a reader needs it whole, report the

@@ -458,6 +458,11 @@ class Pieces:
             f"dim {dim}, but never on piece{'s' if len(missed) > 1 else ''} "
             f"{', '.join(map(str, missed))} (a microbatch skipped, or taken twice?)")
 
+  def computed_on_some(self, op: ir.Op) -> bool:
+    """Was ``op`` related piece by piece on some of its pieces, not all?"""
+    found = self.missed.get(id(op))
+    return found is not None and len(found[2]) < found[1]
+
   def _common_pins(self, pieces) -> tuple[tuple[str, int], ...]:
     """The mesh coordinates every relation of every computed piece is pinned
     to, if they all are to the same ones (a pipeline stage's pieces): where
