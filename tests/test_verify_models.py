@@ -139,6 +139,15 @@ _DIAGNOSES: dict[str, str] = {
         "activations or their cotangents passed to the wrong stage?",
     "gpt2/pp_gpipe/gspmd/collected_from_stage_2":
         "but never on piece 3 (a microbatch skipped, or taken twice?)",
+    "gpt2/pp_circular/gspmd/no_stage_lag":
+        "at a0=1 on pieces 0, 1, 2 of the 4 its operand is cut into along dim 0, but never "
+        "on piece 3",
+    "llama3/pp_circular_fori/gspmd/no_stage_lag":
+        "(a stage running another layer's or another microbatch's step?)",
+    # The norm of layer 4 (repeat 1 at stage 0) meets the final norm's weight.
+    "llama3/pp_circular/gspmd/collected_early": "which is the sequential %13 as replica(d@r)",
+    "gpt2/pp_circular_fori/gspmd/collected_early":
+        "which is the sequential %21 as replica(d@r)",
     "gpt2/pp_gpipe_buffered/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
     "gpt2/pp_gpipe_fori/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
     "gpt2/pp_1f1b_grad/shard_map/stale_input": "at pp=2 on pieces 1, 2, 3 of the 4 its operand "

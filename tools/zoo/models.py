@@ -195,6 +195,10 @@ class Parallel:
   # (h, {base: stacked [n, ...]}, layer) -> h after layers 0..n-1 of the
   # stacks (``Config.stacked_params``); a pipeline runs its stage's rows.
   run_stack: Optional[Callable] = None  # None: run_stack_in_order
+  # With virtual stages: (h, {base: stacked [chunks, n, ...]}, layer) -> h
+  # after every chunk's layers, all chunks at once (a circular pipeline sends
+  # each microbatch round the stages once per chunk); None: chunk by chunk.
+  run_chunks: Optional[Callable] = None
   # (base name, a layer's weight as held) -> the weight the layer computes
   # with: FSDP all-gathers its shard here, inside the layer (and the scan).
   layer_weight: Callable = lambda name, w: w
@@ -287,6 +291,8 @@ def _run_layers(h, p: dict, cfg: Config, layer: Callable, par: Parallel):
   stacked = {base_name(k): v for k, v in p.items() if is_stacked(k)}
   gathering = lambda read: (lambda n: par.layer_weight(n, read(n)))
   if cfg.stacked_params:
+    if cfg.virtual_stages > 1 and par.run_chunks is not None:
+      return par.run_chunks(h, stacked, lambda h, w: layer(h, gathering(w)))
     run = par.run_stack or (scan_stack if cfg.scan_layers else run_stack_in_order)
     chunks = ([stacked] if cfg.virtual_stages == 1 else
               [{n: w[c] for n, w in stacked.items()} for c in range(cfg.virtual_stages)])

@@ -806,6 +806,74 @@ def _gspmd_gpipe_stages(mesh, axis, microbatches, shift=1, injected_row=0, colle
   return run
 
 
+def _gspmd_circular_stages(mesh, axis, microbatches, fori=False, stage_offset=True,
+                           collected_repeat=-1):
+  """MaxText's circular pipeline (``num_pipeline_repeats``) under GSPMD: the
+  stacks held as ``[repeats, layers, ...]`` (``Config.virtual_stages``), their
+  layers split over ``axis``, so stage s holds layer s of every repeat.  A
+  state of one microbatch per stage, ``[stages, rows, ...]``, split alike.  At
+  step t stage s runs microbatch ``(t - s) mod m`` through its layer of repeat
+  ``(t - s) // m`` (``m`` microbatches, as many as stages: what the last stage
+  gives comes round to stage 0 just when it starts that microbatch's next
+  repeat).  Each stage picks its repeat's weights by a ``dynamic_slice``
+  vmapped over the stage dim (MaxText's ``vmap_parallel_gather``); the
+  microbatches are set into stage 0's row in the first repeat, the last
+  stage's row written out in the last, the state rolled a stage on.
+  ``fori``: the steps under ``lax.fori_loop`` (MaxText's loop).  Seeded bugs:
+  ``stage_offset=False`` picks repeat ``t // m`` at every stage (the stage's
+  lag forgotten); ``collected_repeat`` collects the outputs another repeat."""
+  split = lambda x: lax.with_sharding_constraint(x, NamedSharding(mesh, P(axis)))
+
+  def run(h, stacked, layer):
+    n = mesh.shape[axis]
+    repeats = next(iter(stacked.values())).shape[0]
+    assert microbatches == n, "no circular storage: as many microbatches as stages"
+    # [repeats, n * per stage, ...] -> [n, repeats, per stage, ...]
+    stages = {k: split(jnp.moveaxis(w.reshape((repeats, n, w.shape[1] // n) + w.shape[2:]), 1, 0))
+              for k, w in stacked.items()}
+    size = h.shape[0] // microbatches
+    batches = h.reshape((microbatches, size) + h.shape[1:])
+    state = split(jnp.zeros((n, size) + h.shape[1:], h.dtype))
+    outputs = jnp.zeros_like(batches)
+    lag = jnp.arange(n) if stage_offset else jnp.zeros(n, jnp.int32)
+    collected = (repeats + collected_repeat) % repeats
+
+    def run_stage(ws, x, repeat):
+      chunk = {k: lax.dynamic_index_in_dim(w, repeat, 0, keepdims=False) for k, w in ws.items()}
+      return run_stack_in_order(x, chunk, layer)
+    run_stages = jax.vmap(run_stage)
+
+    def step(t, state, outputs, inject, collect):
+      state = inject(state)
+      repeat_ids = split(jnp.clip((t - lag) // microbatches, 0, repeats - 1))
+      state = split(run_stages(stages, state, repeat_ids))
+      outputs = collect(outputs, state[-1], t - (n - 1) - collected * microbatches)
+      return split(jnp.roll(state, 1, axis=0)), outputs
+
+    steps = repeats * microbatches + n - 1
+    if fori:
+      def inject(t):
+        fresh = lax.dynamic_index_in_dim(batches, jnp.minimum(t, microbatches - 1), 0,
+                                         keepdims=False)
+        return lambda state: jnp.where(t < microbatches, state.at[0].set(fresh), state)
+
+      def collect(outputs, last, done):
+        written = lax.dynamic_update_index_in_dim(
+            outputs, last, jnp.clip(done, 0, microbatches - 1), 0)
+        return jnp.where((done >= 0) & (done < microbatches), written, outputs)
+      _, outputs = lax.fori_loop(
+          0, steps, lambda t, c: step(t, *c, inject(t), collect), (state, outputs))
+      return outputs.reshape(h.shape)
+    for t in range(steps):
+      inject = (lambda state, t=t: state.at[0].set(batches[t])) if t < microbatches \
+          else (lambda state: state)
+      collect = lambda outputs, last, done: (outputs.at[done].set(last)
+                                             if 0 <= done < microbatches else outputs)
+      state, outputs = step(t, state, outputs, inject, collect)
+    return outputs.reshape(h.shape)
+  return run
+
+
 def _pp_par(shift=1, fori=False, scan=False):
   return Parallel(run_stack=_pipeline_stages("pp", shift, fori, scan))
 
@@ -1285,18 +1353,27 @@ def _gspmd_zigzag_case(model, cfg, grad: bool = False, variant: str = "ok", bug=
 
 
 def _gspmd_gpipe_case(model, cfg, variant: str = "ok", bug=None, bug_primitive=None,
-                      fori: bool = False, tp: bool = False, **seeded) -> Case:
+                      fori: bool = False, tp: bool = False, circular: bool = False,
+                      **seeded) -> Case:
   """GPipe under GSPMD (``_gspmd_gpipe_stages``): GPipe's 4 stages and 4
   microbatches, its stacks split over "pp" by layer (``fori``: its steps
   under ``lax.fori_loop``; ``tp``: 2 stages, each weight also split over
-  "tp" as Megatron's, XLA deciding the rest); ``seeded``: the bug's hooks."""
-  strategy = PP_TP_GPIPE if tp else GPIPE_FORI if fori else GPIPE
+  "tp" as Megatron's, XLA deciding the rest; ``circular``: MaxText's circular
+  pipeline, ``_gspmd_circular_stages``, the 8 layers as 2 repeats of one
+  layer per stage); ``seeded``: the bug's hooks."""
+  strategy = (PP_TP_GPIPE if tp else GPIPE_FORI if fori else GPIPE)
+  if circular:
+    strategy = dataclasses.replace(strategy, name=strategy.name.replace("gpipe", "circular"),
+                                   cfg_overrides=tuple(dict(strategy.cfg_overrides,
+                                                            virtual_stages=2).items()))
   cfg = _cfg(strategy, cfg)
   mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
   specs = _in_specs(model, strategy, cfg)
-  stages = _gspmd_gpipe_stages(mesh, "pp", 4, fori=fori, **seeded)
-  dist_fn = loss_fn(model, cfg, Parallel(run_stack=stages),
-                    name=_ident(model, strategy.name, "gspmd", variant))
+  if circular:
+    par = Parallel(run_chunks=_gspmd_circular_stages(mesh, "pp", 4, fori=fori, **seeded))
+  else:
+    par = Parallel(run_stack=_gspmd_gpipe_stages(mesh, "pp", 4, fori=fori, **seeded))
+  dist_fn = loss_fn(model, cfg, par, name=_ident(model, strategy.name, "gspmd", variant))
   shard = lambda spec: NamedSharding(mesh, spec)
   return Case(name=f"{model}/{strategy.name}/gspmd/{variant}", seq_fn=_seq_fn(model, cfg),
               dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
@@ -2017,6 +2094,25 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                  injected_row=1))
   built.append(_gspmd_gpipe_case("gpt2", cfg, "collected_from_stage_2", "wrong_stage",
                                  "reduce", collected_row=-2))
+  # MaxText's circular pipeline under GSPMD: the 8 layers as 2 repeats of one
+  # layer per stage, a microbatch round the 4 stages twice; each stage picks
+  # its repeat's weights by a dynamic_slice vmapped over the stages (XLA: a
+  # gather at a row computed from the partition id).  Bugs: the repeat picked
+  # by the step alone, not the stage's lag (stage 1 runs microbatch 3 through
+  # layer 5's weights), reported at layer 1's norm multiply, on pieces 0-2 of
+  # 4; the outputs collected after the first repeat, reported where layer 4's
+  # norm meets the final norm's weight instead.
+  for model in MODELS:
+    built.append(_gspmd_gpipe_case(model, cfg, circular=True))
+    built.append(_gspmd_gpipe_case(model, cfg, circular=True, fori=True))
+  built.append(_gspmd_gpipe_case("gpt2", cfg, "no_stage_lag", "wrong_stage", "multiply",
+                                 circular=True, stage_offset=False))
+  built.append(_gspmd_gpipe_case("llama3", cfg, "no_stage_lag", "wrong_stage", "multiply",
+                                 circular=True, fori=True, stage_offset=False))
+  built.append(_gspmd_gpipe_case("llama3", cfg, "collected_early", "wrong_stage", "multiply",
+                                 circular=True, collected_repeat=0))
+  built.append(_gspmd_gpipe_case("gpt2", cfg, "collected_early", "wrong_stage", "multiply",
+                                 circular=True, fori=True, collected_repeat=0))
   # Every stage's output sent to the stage before it, both ways of writing
   # the schedule: reported where stage 0's output, held at stage 3, meets
   # stage 1's norm weight, held at stage 1.
