@@ -415,7 +415,9 @@ def gather_of_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.V
   into one row per rank gathers so (each pipeline stage picking its repeat's
   weights, MaxText's ``vmap_parallel_gather``).  Both ops clamp the window
   into the operand alike, and every dim the window drops has size one, so the
-  window's elements come in the same order."""
+  window's elements come in the same order.  (StableHLO's verifier asks
+  for sorted offset dims and no start on a batching dim; HLO text is not
+  verified so, and is checked here.)"""
   if op.name != "gather" or len(op.operands) != 2:
     return None
   x, index = op.operands
@@ -426,9 +428,11 @@ def gather_of_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.V
   start_map = tuple(dn.get("start_index_map", ()))
   vector_dim = dn["index_vector_dim"]
   vector = index.shape[vector_dim] if vector_dim < index.type.rank else 1
+  offset_dims = tuple(dn.get("offset_dims", ()))
   if splat_value(index) is not None or vector != len(start_map) \
       or any(n != 1 for d, n in enumerate(index.shape) if d != vector_dim) \
       or any(sizes[d] != 1 for d in dropped) \
+      or offset_dims != tuple(sorted(offset_dims)) or set(start_map) & set(batching) \
       or not reference.is_integer_type(index.type.dtype):
     return None  # (a constant start: gather_one_window)
   dtype = index.type.dtype

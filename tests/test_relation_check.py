@@ -46,6 +46,7 @@ def test_the_prepared_program_computes_what_the_written_one_does(case):
   assert not check.skipped
   want_inputs, want_outputs = numeric.run_per_device(case, check.seq_inputs)
   problems = []
+  assert len(want_inputs) == len(check.dist_inputs)
   for k, (want, got) in enumerate(zip(want_inputs, check.dist_inputs)):
     problems += _rank_differences(f"input {k}", want, got, RTOL_BF16)
   assert len(want_outputs) == len(check.dist_outputs)
@@ -59,8 +60,9 @@ def _rank_differences(what, want, got, rtol):
   """Ranks whose values of ``what`` differ (up to unit dims, which the
   prepared program may add or drop)."""
   assert len(want) == len(got)
+  squeezed = lambda x: tuple(n for n in np.shape(x) if n != 1)
   return [f"{what} at rank {r}" for r, (w, g) in enumerate(zip(want, got))
-          if np.size(w) != np.size(g) or not close(np.reshape(g, np.shape(w)), w, rtol)]
+          if squeezed(w) != squeezed(g) or not close(np.reshape(g, np.shape(w)), w, rtol)]
 
 
 def _inference(name, zoo=cases):

@@ -2,7 +2,10 @@
 gradient of a tensor read in slices, added in any order, evaluated before and
 after on random shapes, slabs and orders; and what is left alone."""
 
+import math
+
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from graphguard_hlo import ir, reference
@@ -442,3 +445,41 @@ def test_a_start_sliced_from_a_splat_is_that_constant():
                      "strides": (1,) * len(start)}).result
   assert splat_value(sliced(row, (0, 1), (1, 2))) == 3
   assert splat_value(sliced(table, (0,), (1,))) is None
+
+
+_UNVERIFIED_GATHERS = {
+    # offset dims out of order: the window transposed (StableHLO's verifier
+    # refuses it; HLO text is read as written).
+    "unsorted_offset_dims": ("f32[4,3]", "s32[1]", "f32[3,4]",
+                             "offset_dims={1,0}, collapsed_slice_dims={}, start_index_map={1}, "
+                             "index_vector_dim=0, slice_sizes={4,3}"),
+    # a start on a batching dim of two rows.
+    "start_on_a_batching_dim": ("f32[2,3]", "s32[1,1]", "f32[1,3]",
+                                "offset_dims={1}, collapsed_slice_dims={}, "
+                                "operand_batching_dims={0}, start_indices_batching_dims={0}, "
+                                "start_index_map={0}, index_vector_dim=1, slice_sizes={1,3}"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_UNVERIFIED_GATHERS))
+def test_a_gather_hlo_text_spells_outside_stablehlo_keeps_its_value(name):
+  """Found by an audit: these gathers were rewritten into dynamic_slices of
+  other elements.  They are left gathers, with their values."""
+  from graphguard_hlo.interpret import Interpreter
+  from graphguard_hlo.loaders.hlo_text import load_hlo_text
+  x_type, i_type, out_type, dims = _UNVERIFIED_GATHERS[name]
+  m = load_hlo_text("<test>.hlo", f"""HloModule m
+
+ENTRY main {{
+  x = {x_type} parameter(0)
+  i = {i_type} parameter(1)
+  ROOT g = {out_type} gather(x, i), {dims}
+}}
+""")
+  g = m.main
+  x = np.arange(12, dtype=np.float32)[:math.prod(g.params[0].shape)].reshape(g.params[0].shape)
+  i = np.ones(g.params[1].shape, np.int32)
+  run = lambda: np.asarray(Interpreter(1).run(g, [[x], [i]])[g.results[0].id][0])
+  before = run()
+  canonicalize_module(m)
+  np.testing.assert_array_equal(run(), before)
