@@ -44,9 +44,7 @@ import functools
 import math
 from typing import Optional, Sequence
 
-import numpy as np
-
-from graphguard_hlo import ir, reference
+from graphguard_hlo import ir
 from graphguard_hlo.passes import slabs
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import (broadcast_scalar, moves_with_one_axis,
@@ -202,7 +200,7 @@ class RankCases:
     def case(start: Optional[int]) -> ir.Value:
       if start is None:
         return x
-      at = _constant(module, fresh, place, start, index.type.dtype, op.location, index.shape)
+      at = slabs.constant(module, fresh, place, start, index.type.dtype, op.location, index.shape)
       new = ir.Op("scatter", [x, at, update], dict(op.attrs), list(op.regions), op.location)
       new.results = [module.new_value(out_type, new, 0)]
       return place(new)
@@ -227,7 +225,7 @@ class RankCases:
       if op.name == "dynamic_slice":
         return slabs._sliced(module, graph, fresh, place, x, at,
                              [a + sizes[d] for d, a in enumerate(at)], loc)
-      consts = [_constant(module, fresh, place, a, index.type.dtype, loc) for a in at]
+      consts = [slabs.constant(module, fresh, place, a, index.type.dtype, loc) for a in at]
       return place(fresh(module, "dynamic_update_slice", [x, op.operands[1], *consts], {},
                          out_type.shape, out_type.dtype, loc))
 
@@ -249,7 +247,7 @@ class RankCases:
     for value in reversed(order[:-1]):
       holds = None
       for c in by_value[value]:
-        eq = place(fresh(module, "compare", [coordinate, _constant(
+        eq = place(fresh(module, "compare", [coordinate, slabs.constant(
             module, fresh, place, c, coordinate.type.dtype, loc)],
             {"comparison_direction": "EQ"}, (), "pred", loc))
         holds = eq if holds is None else place(fresh(module, "or", [holds, eq], {}, (), "pred",
@@ -265,15 +263,10 @@ class RankCases:
     stride = math.prod(n for a, n in self.mesh.axes[self.mesh.axis_names.index(axis) + 1:])
     pid = self.partition_id
     dtype = pid.type.dtype
-    major = place(fresh(module, "divide", [pid, _constant(module, fresh, place, stride, dtype,
-                                                          loc)], {}, (), dtype, loc))
-    return place(fresh(module, "remainder", [major, _constant(
+    major = place(fresh(module, "divide", [pid, slabs.constant(module, fresh, place, stride,
+                                                               dtype, loc)], {}, (), dtype, loc))
+    return place(fresh(module, "remainder", [major, slabs.constant(
         module, fresh, place, self.mesh.axis_size(axis), dtype, loc)], {}, (), dtype, loc))
-
-
-def _constant(module, fresh, place, value: int, dtype: str, location, shape=()) -> ir.Value:
-  return place(fresh(module, "constant", [], {"value": reference.constant_array(
-      np.full(shape, value), dtype)}, shape, dtype, location))
 
 
 def rank_case_patterns(graph: ir.Graph, mesh: ir.Mesh,

@@ -386,16 +386,30 @@ def reshape_of_concatenation(module, graph, op, fresh, place, emit) -> Optional[
   return emit(module, graph, op, "concatenate", parts, {"dimension": k})
 
 
-def gather_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
-  """gather of one window at a constant start -> reshape(slice) (the
-  transpose of ``x.at[i].set(u)`` reads the window's cotangent so)."""
+def _gather_fields(op: ir.Op) -> Optional[tuple]:
+  """(operand, index, dimension numbers, slice sizes, start index map) of a
+  gather; None for any other op."""
   if op.name != "gather" or len(op.operands) != 2:
     return None
   x, index = op.operands
   dn = dimension_numbers(op.attrs["dimension_numbers"])
-  sizes = tuple(op.attrs["slice_sizes"])
+  return x, index, dn, tuple(op.attrs["slice_sizes"]), tuple(dn.get("start_index_map", ()))
+
+
+def constant(module, fresh, place, value: int, dtype: str, location, shape=()) -> ir.Value:
+  """A fresh constant of ``shape`` filled with ``value``, placed."""
+  return place(fresh(module, "constant", [], {"value": reference.constant_array(
+      np.full(shape, value), dtype)}, shape, dtype, location))
+
+
+def gather_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """gather of one window at a constant start -> reshape(slice) (the
+  transpose of ``x.at[i].set(u)`` reads the window's cotangent so)."""
+  fields = _gather_fields(op)
+  if fields is None:
+    return None
+  x, index, dn, sizes, start_map = fields
   collapsed = tuple(dn.get("collapsed_slice_dims", ()))
-  start_map = tuple(dn.get("start_index_map", ()))
   at = splat_value(index)
   if dn.get("operand_batching_dims") or at is None or len(start_map) != 1 \
       or index.type.rank != 1 or dn["index_vector_dim"] != 0 \
@@ -418,14 +432,12 @@ def gather_of_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.V
   window's elements come in the same order.  (StableHLO's verifier asks
   for sorted offset dims and no start on a batching dim; HLO text is not
   verified so, and is checked here.)"""
-  if op.name != "gather" or len(op.operands) != 2:
+  fields = _gather_fields(op)
+  if fields is None:
     return None
-  x, index = op.operands
-  dn = dimension_numbers(op.attrs["dimension_numbers"])
-  sizes = tuple(op.attrs["slice_sizes"])
+  x, index, dn, sizes, start_map = fields
   batching = tuple(dn.get("operand_batching_dims", ()))
   dropped = tuple(dn.get("collapsed_slice_dims", ())) + batching
-  start_map = tuple(dn.get("start_index_map", ()))
   vector_dim = dn["index_vector_dim"]
   vector = index.shape[vector_dim] if vector_dim < index.type.rank else 1
   offset_dims = tuple(dn.get("offset_dims", ()))
@@ -439,8 +451,7 @@ def gather_of_one_window(module, graph, op, fresh, place, emit) -> Optional[ir.V
   starts = []
   for d in range(x.type.rank):
     if d not in start_map:
-      starts.append(place(fresh(module, "constant", [], {"value": reference.constant_array(
-          np.zeros(()), dtype)}, (), dtype, op.location)))
+      starts.append(constant(module, fresh, place, 0, dtype, op.location))
       continue
     j = start_map.index(d)
     entry = index
