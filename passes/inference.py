@@ -578,7 +578,8 @@ class RelationInference:
   def seq_op(self, op: ir.Op) -> SeqOp:
     """What lemmas read of a sequential op, with the facts they cannot see
     for themselves: a reduce's (or scatter's) reducer, a pad's constant padding
-    value, a scatter's constant base."""
+    value, a scatter's constant base; and for a broadcast, the shapes of the
+    per-device program's broadcasts of its operand (``SeqOp.tile_shapes``)."""
     attrs = dict(op.attrs)
     if op.name in ("reduce", "reduce_window", "scatter") and op.regions:
       attrs["gg.reduction"] = reducer_kind(op.regions[0])
@@ -588,7 +589,18 @@ class RelationInference:
       attrs["gg.base_value"] = self.splats[op.operands[0].id]
     return SeqOp(op.name, attrs, tuple(v.type for v in op.operands),
                  op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh,
-                 self.transfer.rings)
+                 self.transfer.rings, self._broadcast_tiles(op))
+
+  def _broadcast_tiles(self, op: ir.Op) -> frozenset:
+    """The result shapes of the per-device broadcasts of values related to a
+    broadcast's operand: the tiles its result likely has."""
+    if op.name != "broadcast_in_dim":
+      return frozenset()
+    rank = op.results[0].type.rank
+    return frozenset(tuple(user.results[0].type.shape)
+                     for r in self.relations.get(op.operands[0].id, ())
+                     for user in self.users.get(r.cls, ())
+                     if user.name == "broadcast_in_dim" and user.results[0].type.rank == rank)
 
   def lemma_steps(self, op: ir.Op, layouts: list[Layout]) -> list:
     """The local ops lemmas propose for ``op`` on operands with these layouts."""
@@ -603,7 +615,7 @@ class RelationInference:
     if any(l.order for l in layouts):
       return []  # lemmas read reordered chunks only through chunk_order.py
     key = (op.name, terms.attrs_key(op.attrs), op.operand_types, op.result_type,
-           tuple(layouts))
+           tuple(layouts), op.tile_shapes)
     steps = self._step_memo.get(key)
     if steps is None:
       steps = self._step_memo[key] = list(apply_lemmas(op, layouts))

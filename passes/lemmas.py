@@ -58,6 +58,11 @@ class SeqOp:
   # Mesh axes the per-device program passes tiles round (a ring of
   # collective-permutes): dims free to tile may take them rotated, too.
   rings: frozenset = frozenset()
+  # Per-device shapes the program holds of what this op may compute (its
+  # broadcasts of an operand's related values).  Dims a lemma may tile freely
+  # have too many tilings to try on a mesh of many small axes; those giving
+  # these shapes are tried first.  A hint only: each is still looked up.
+  tile_shapes: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,28 +291,20 @@ def _spread_axes(axes: tuple[str, ...], shape: list[int], sizes: dict[str, int]
 
 def _free_axis_choices(op: SeqOp, taken: set[str], free_dims: Sequence[int],
                        base: list[tuple[str, ...]], limit: int = 24):
-  """Ways to tile dims whose content does not depend on the position along them."""
-  avail = [a for a, n in op.mesh.axes if a not in taken and n > 1]
-  # A ring's blocks: any turn of a ring axis, even one tiling another dim
-  # (the diagonal blocks it visits); ``is_valid`` rejects what cannot be.
-  turns = [(rotated_axis(x, j, op.mesh.axis_size(x)),) for x in sorted(op.rings)
-           for j in range(op.mesh.axis_size(x))]
-  options_per_dim = []
-  for d in free_dims:
-    opts: list[tuple[str, ...]] = [()]
-    for k in range(1, len(avail) + 1):
-      for combo in itertools.permutations(avail, k):
-        n = math.prod(op.mesh.axis_size(x) for x in combo)
-        if op.result_type.shape[d] % n == 0:
-          opts.append(combo)
-      if k == 1:
-        opts += [t for t in turns if t not in opts
-                 and op.result_type.shape[d] % op.mesh.axis_size(t[0]) == 0]
-    if not avail:
-      opts += [t for t in turns if op.result_type.shape[d] % op.mesh.axis_size(t[0]) == 0]
-    options_per_dim.append(opts)
+  """Ways to tile dims whose content does not depend on the position along them.
+
+  The choices grow as (2^axes)^dims, so at most ``limit`` are tried, after
+  every one giving a tile of ``op.tile_shapes`` (a handful: the per-device
+  program's own shapes pick how many ranks split each dim)."""
+  options_per_dim = [_dim_options(op, taken, op.result_type.shape[d]) for d in free_dims]
+  hinted = []
+  for shape in op.tile_shapes:
+    options = _options_for_tile(op, free_dims, base, options_per_dim, shape)
+    if options is not None:
+      hinted += [c for c in itertools.product(*options) if c not in hinted]
   count = 0
-  for choice in itertools.product(*options_per_dim):
+  for choice in itertools.chain(hinted, (c for c in itertools.product(*options_per_dim)
+                                         if c not in hinted)):
     flat = [x for c in choice for x in c]
     if len(flat) != len(set(flat)):
       continue
@@ -315,9 +312,43 @@ def _free_axis_choices(op: SeqOp, taken: set[str], free_dims: Sequence[int],
     for d, c in zip(free_dims, choice):
       dims[d] = c
     yield tuple(dims)
-    count += 1
-    if count >= limit:
-      return
+    if choice not in hinted:
+      count += 1
+      if count >= limit:
+        return
+
+
+def _dim_options(op: SeqOp, taken: set[str], extent: int) -> list[tuple[str, ...]]:
+  """The axis tuples that may tile a free dim of ``extent``: none, the
+  untaken axes in any order and number whose sizes divide it, and any turn of
+  a ring axis (the diagonal blocks a ring visits; ``is_valid`` rejects what
+  cannot be)."""
+  avail = [a for a, n in op.mesh.axes if a not in taken and n > 1]
+  turns = [(rotated_axis(x, j, op.mesh.axis_size(x)),) for x in sorted(op.rings)
+           for j in range(op.mesh.axis_size(x))]
+  opts: list[tuple[str, ...]] = [()]
+  for k in range(1, len(avail) + 1):
+    for combo in itertools.permutations(avail, k):
+      if extent % math.prod(op.mesh.axis_size(x) for x in combo) == 0:
+        opts.append(combo)
+    if k == 1:
+      opts += [t for t in turns if t not in opts and extent % op.mesh.axis_size(t[0]) == 0]
+  if not avail:
+    opts += [t for t in turns if extent % op.mesh.axis_size(t[0]) == 0]
+  return opts
+
+
+def _options_for_tile(op: SeqOp, free_dims, base, options_per_dim, shape):
+  """Each free dim's options that give the tile ``shape``, or None if the
+  other dims (tiled as ``base``) do not."""
+  dst = op.result_type.shape
+  if len(shape) != len(dst):
+    return None
+  size = lambda axes: math.prod(op.mesh.axis_size(x) for x in axes)
+  if any(d not in free_dims and dst[d] != shape[d] * size(base[d]) for d in range(len(dst))):
+    return None
+  return [[c for c in opts if dst[d] == shape[d] * size(c)]
+          for d, opts in zip(free_dims, options_per_dim)]
 
 
 def _broadcast_in_dim(op: SeqOp, ls: Sequence[Layout]):
