@@ -945,6 +945,7 @@ class _Strategy:
   cfg_overrides: tuple = ()
   layer_axis: Optional[str] = None      # the axis splitting stacked layers
   relation: Optional[str] = None        # the inputs' relation file, if not the specs'
+  weight_axis: Optional[str] = None     # the axis FSDP shards and gathers weights over
 
 
 _STRATEGIES = {s.name: s for s in [
@@ -1431,19 +1432,35 @@ def _grad_case(model, strategy, cfg, remat: Optional[str] = None) -> Case:
 # FSDP / ZeRO-3: every parameter whose leading dim divides is sharded on it
 # over "dp" and all-gathered just before use; the batch is split over "dp" too.
 FSDP = _Strategy("fsdp", (4,), ("dp",), P("dp", None), _no_param_specs, _dp_par,
-                 (("batch", 4),))
+                 (("batch", 4),), weight_axis="dp")
 
 
-def _fsdp_spec(shape) -> P:
-  return P("dp", *([None] * (len(shape) - 1))) if shape and shape[0] % 4 == 0 else \
-      P(*([None] * len(shape)))
+def _hsdp_par(loss_axes=("dp", "fsdp")):
+  """The loss averaged over ``loss_axes`` (both, or the seeded bug's one)."""
+  return Parallel(combine_loss=_pmean_of_mean(loss_axes))
 
 
-def _fsdp_specs(model, cfg) -> tuple:
-  """Tokens over "dp"; every weight on its own leading dim (a layer stack's
-  rows whole) where |dp| divides it."""
-  return (FSDP.token_spec, FSDP.token_spec) + tuple(
-      P(None, *_fsdp_spec(s[1:])) if is_stacked(n) else _fsdp_spec(s)
+# HSDP, hybrid sharded data parallel (PyTorch FSDP's HYBRID_SHARD; MaxText's
+# data and fsdp axes): the batch split over both axes of a 2 x 4 mesh, each
+# weight sharded over "fsdp" only, as FSDP's over "dp".  A weight is gathered
+# within its group of four, and its gradient summed over the group and over
+# the two replicas of each shard.
+HSDP = _Strategy("hsdp", (2, 4), ("dp", "fsdp"), P(("dp", "fsdp"), None), _no_param_specs,
+                 _hsdp_par, (("batch", 8),), weight_axis="fsdp")
+
+
+def _fsdp_spec(shape, strategy: _Strategy = FSDP) -> P:
+  """Split on the leading dim over the strategy's weight axis, if it divides."""
+  n = strategy.mesh_shape[strategy.axis_names.index(strategy.weight_axis)]
+  return P(strategy.weight_axis, *([None] * (len(shape) - 1))) \
+      if shape and shape[0] % n == 0 else P(*([None] * len(shape)))
+
+
+def _fsdp_specs(model, cfg, strategy: _Strategy = FSDP) -> tuple:
+  """Tokens as the strategy splits them; every weight on its own leading dim
+  (a layer stack's rows whole) over the weight axis, where its size divides."""
+  return (strategy.token_spec, strategy.token_spec) + tuple(
+      P(None, *_fsdp_spec(s[1:], strategy)) if is_stacked(n) else _fsdp_spec(s, strategy)
       for n, s in param_specs(model, cfg))
 
 
@@ -1501,12 +1518,15 @@ def _fsdp_tp_case(model, cfg, variant="ok", wrong_dim=False, bug=None, bug_primi
 def _specs(model, strategy, cfg) -> tuple:
   if strategy.name == FSDP_TP.name:
     return _fsdp_tp_specs(model, cfg)
+  if strategy.name == HSDP.name:
+    return _fsdp_specs(model, cfg, HSDP)
   fsdp = strategy.name.split("_")[0] == FSDP.name  # FSDP itself or a variant of it
   return _fsdp_specs(model, cfg) if fsdp else _in_specs(model, strategy, cfg)
 
 
 def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=None,
-               scan=False, grad=False, take=False, ungathered=()) -> Case:
+               scan=False, grad=False, take=False, ungathered=(), strategy=FSDP,
+               par: Optional[Parallel] = None, check_vma=True) -> Case:
   """shard_map FSDP: gather each sharded weight (along ``gather_dim``: 0 is right;
   1 is the seeded bug, made shape-correct by a reshape) and run the dp loss.
   ``take``: tokens embedded by ``jnp.take``; the weights named in ``ungathered``
@@ -1517,27 +1537,33 @@ def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=N
   their own leading dim and gathered inside the scanned layer (ZeRO-3 proper);
   the rest gathered up front.  ``grad``: value_and_grad of the step inside
   shard_map; the gathers transpose to reduce-scatters, so every gradient comes
-  out sharded like its parameter."""
-  cfg = _cfg(FSDP, dataclasses.replace(cfg, scan_layers=scan,
-                                      embedding="take" if take else cfg.embedding))
-  mesh = _mesh(FSDP.mesh_shape, FSDP.axis_names)
+  out sharded like its parameter.
+
+  ``strategy``: FSDP, or HSDP (weights gathered over "fsdp", the batch split
+  over both axes).  ``par``: other per-device hooks than the strategy's (a
+  seeded bug; ``check_vma=False`` lets its loss vary where it should not)."""
+  cfg = _cfg(strategy, dataclasses.replace(cfg, scan_layers=scan,
+                                          embedding="take" if take else cfg.embedding))
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  axis = strategy.weight_axis
   names = [n for n, _ in param_specs(model, cfg)]
   shapes = [s for _, s in param_specs(model, cfg)]
-  specs = _fsdp_specs(model, cfg)
+  specs = _fsdp_specs(model, cfg, strategy)
   layer_shapes = {base_name(n): s[1:] for n, s in zip(names, shapes) if is_stacked(n)}
-  name = "fsdp_take" if take else "fsdp"
+  name = strategy.name + ("_take" if take else "")
   kind = ("scan_" if scan else "") + ("grad" if grad else "")
   label = _ident(model, name, kind or variant)
 
   def gather(p, shape, param=None):
-    if _fsdp_spec(shape)[0] != "dp" or param in ungathered:
+    if _fsdp_spec(shape, strategy)[0] is None or param in ungathered:
       return p
     if gather_dim == 0 or len(shape) < 2:
-      return lax.all_gather(p, "dp", axis=0, tiled=True)
-    return lax.all_gather(p, "dp", axis=1, tiled=True).reshape(shape)
+      return lax.all_gather(p, axis, axis=0, tiled=True)
+    return lax.all_gather(p, axis, axis=1, tiled=True).reshape(shape)
 
-  par = dataclasses.replace(FSDP.par(), layer_weight=lambda n, w: gather(w, layer_shapes[n])) \
-      if scan else FSDP.par()
+  par = par or strategy.par()
+  if scan:
+    par = dataclasses.replace(par, layer_weight=lambda n, w: gather(w, layer_shapes[n]))
   local = loss_fn(model, cfg, par, name=label)
 
   def body(tokens, labels, *params):
@@ -1545,11 +1571,11 @@ def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=N
                                    for p, n, s in zip(params, names, shapes)])
   body.__name__ = body.__qualname__ = label
   return _gathering_case(model, cfg, name + ("_scan" if scan else "") + ("_grad" if grad else ""),
-                         mesh, specs, body, grad, variant, bug, bug_primitive)
+                         mesh, specs, body, grad, variant, bug, bug_primitive, check_vma)
 
 
 def _gathering_case(model, cfg, strategy: str, mesh, specs, body, grad, variant, bug,
-                    bug_primitive) -> Case:
+                    bug_primitive, check_vma=True) -> Case:
   """A shard_map case of ``body`` (per device, gathering the weights it holds
   split; its name is the lowered module's): the loss, or with ``grad``
   value_and_grad in every parameter, the gradients laid out like their
@@ -1560,7 +1586,7 @@ def _gathering_case(model, cfg, strategy: str, mesh, specs, body, grad, variant,
     seq_fn = _named(_loss_and_grads(seq_fn, n_params), body.__name__ + "_seq")
     body = _loss_and_grads(body, n_params)
     out_specs = (P(), tuple(specs[2:]))
-  dist_fn = shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)
+  dist_fn = shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=check_vma)
   return Case(name=f"{model}/{strategy}/shard_map/{variant}", seq_fn=seq_fn,
               dist_fn=dist_fn, seq_args=_seq_args(model, cfg),
               dist_args=_dist_args(model, cfg, mesh, specs), mesh=mesh,
@@ -1914,6 +1940,19 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # come out interleaved): GPT-2's one-hot embedding lookup.
   built.append(_fsdp_case("gpt2", cfg, "wrong_gather_dim", gather_dim=1,
                           bug="wrong_gather_dim", bug_primitive="dot_general"))
+  # HSDP: shard_map (weights gathered over "fsdp" by hand) and GSPMD.  The
+  # seeded bug, the loss averaged over the shard group only ("fsdp"): each
+  # replica reports the loss of its half of the batch.
+  for model in MODELS:
+    built.append(_fsdp_case(model, cfg, strategy=HSDP))
+    built.append(_gspmd_case(model, HSDP, cfg))
+    if grad:
+      built.append(_fsdp_case(model, cfg, grad=True, strategy=HSDP))
+      built.append(_grad_case(model, HSDP, cfg))
+  for model, grad_step in (("gpt2", False), ("llama3", grad)):
+    built.append(_fsdp_case(model, cfg, "loss_over_shard_group", strategy=HSDP,
+                            par=_hsdp_par(loss_axes="fsdp"), check_vma=False, grad=grad_step,
+                            bug="wrong_replica_groups", bug_primitive="output"))
   for b in _bugs():
     built.append(_shard_map_case(b.model, _STRATEGIES[b.strategy], cfg, b.bug,
                                  b.par(), b.bug, b.bug_primitive, b.check_vma))
@@ -2711,6 +2750,12 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
                                 partitioner_bugs.regroup("all-to-all", 0, ((1, 0, 3, 2),)),
                                 "wrong_permutation", "broadcast_in_dim"))
   if grad:
+    # HSDP's gradient all-reduce over the replicas of a shard run over the
+    # shard group instead: the two groups mixed up.
+    fsdp_groups = ((0, 1, 2, 3), (4, 5, 6, 7))  # "fsdp" of the 2 x 4 mesh
+    built.append(_partitioner_bug("llama3", HSDP, cfg, True, "grad_summed_over_shard_group",
+                                  partitioner_bugs.regroup("all-reduce", -1, fsdp_groups),
+                                  "wrong_replica_groups", "transpose"))
     for model, strategy in (("gpt2", _looked_up(_STRATEGIES["dp"])),
                             ("llama3", _STRATEGIES["dp_tp"])):
       built.append(_partitioner_bug(model, strategy, cfg, True, "grad_not_allreduced",
