@@ -23,6 +23,7 @@ further, run it with another ``max_examples`` and ``derandomize=False``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import types
 
@@ -440,6 +441,11 @@ def broadcast_in_dim(draw, mesh, seed):
   op = seq_op("broadcast_in_dim", attrs, [x], out, mesh)
   if draw(st.booleans()):  # new dims may take a ring's turns
     op = dataclasses.replace(op, rings=frozenset(draw(st.sets(st.sampled_from(mesh.axis_names)))))
+  if draw(st.booleans()):  # the per-device program's broadcasts' shapes, tried first
+    divisors = lambda n: [k for k in range(1, n + 1) if n % k == 0]
+    op = dataclasses.replace(op, tile_shapes=frozenset(
+        tuple(draw(st.sampled_from(divisors(n))) for n in out)
+        for _ in range(draw(st.integers(1, 2)))))
   return Case(op, [a], [x], seed)
 
 
@@ -1034,6 +1040,25 @@ def on_replicas(draw, mesh, seed):
 
 
 GENERATORS[lemmas.REPLICA_LEMMA.name] = on_replicas
+
+
+def test_broadcast_tries_the_tilings_of_the_programs_tiles_first():
+  """HSDP's label one-hot: iota(64) broadcast to [batch 8, seq 16, vocab 64]
+  on a 2 x 2 x 2 mesh, the batch split over all three axes.  Dims free to
+  tile have hundreds of tilings there and only some are tried; the one
+  giving a per-device broadcast's shape [1, 16, 64] must be among them."""
+  mesh = ir.Mesh((("a0", 2), ("a1", 2), ("a2", 2)))
+  op = seq_op("broadcast_in_dim", {"broadcast_dimensions": (2,)}, [np.zeros(64)],
+              (8, 16, 64), mesh)
+  wanted = Layout((("a0", "a1", "a2"), (), ()))
+  layouts = lambda op: [s.layout for s in apply_lemmas(op, [Layout(((),))])]
+  assert wanted not in layouts(op)  # beyond the untargeted search's limit
+  hinted = layouts(dataclasses.replace(op, tile_shapes=frozenset({(1, 16, 64), (4, 16, 16)})))
+  assert wanted in hinted
+  # Every tiling of dims 0 and 1 into 8 x 1 comes first; the untargeted ones follow.
+  assert hinted[:6] == [Layout((axes, (), ())) for axes in itertools.permutations(
+      ("a0", "a1", "a2"))]
+  assert set(layouts(op)) <= set(hinted)
 
 
 @st.composite

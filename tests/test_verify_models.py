@@ -255,6 +255,12 @@ _DIAGNOSES: dict[str, str] = {
         "so summed over those ranks it is counted 4 times",
     "llama3/pp_gpipe/shard_map/microbatch_fed_late": "but never takes rows 3 (a microbatch "
                                                      "skipped?)",
+    "gpt2/hsdp/shard_map/loss_over_shard_group":
+        "output 0 is a partial sum over 'dp' never reduced (missing all-reduce)",
+    "llama3/hsdp_grad/shard_map/loss_over_shard_group":
+        "output 0 is a partial sum over 'dp' never reduced (missing all-reduce)",
+    "llama3/hsdp_grad/gspmd/grad_summed_over_shard_group":
+        "reduces over 'a1', 'a2' but the partial sum is over 'a0' (wrong replica groups",
     "gpt2/zero_adamw/shard_map/param_tile_of_next_rank":
         "starting at 16, 32, 48, 0 along dim 0 at dp = 0, 1, 2, 3: tile dp+1, another rank's "
         "tile?",
