@@ -259,6 +259,9 @@ _DIAGNOSES: dict[str, str] = {
         "output 0 is a partial sum over 'dp' never reduced (missing all-reduce)",
     "llama3/hsdp_grad/shard_map/loss_over_shard_group":
         "output 0 is a partial sum over 'dp' never reduced (missing all-reduce)",
+    "llama3/hsdp_tp/shard_map/gathered_over_replicas":
+        "gathers over 'dp' along dim 0, but dim 0 is split over 'fsdp' (gathered over the wrong "
+        "mesh axis)",
     "llama3/hsdp_grad/gspmd/grad_summed_over_shard_group":
         "reduces over 'a1', 'a2' but the partial sum is over 'a0' (wrong replica groups",
     "gpt2/zero_adamw/shard_map/param_tile_of_next_rank":

@@ -1466,62 +1466,80 @@ def _fsdp_specs(model, cfg, strategy: _Strategy = FSDP) -> tuple:
 
 # FSDP x TP (MaxText's fsdp and tensor axes): Megatron's specs over "tp", and
 # each weight also split over "dp" on the first dim TP leaves whole that |dp|
-# divides (a stack's layer dim kept whole).  GSPMD only: XLA gathers the
-# weights where they are used and reduce-scatters their gradients.
-FSDP_TP = _Strategy("fsdp_tp", (2, 4), ("dp", "tp"), P("dp", None), _tp_param_spec, _dp_tp_par)
+# divides (a stack's layer dim kept whole).  XLA gathers the weights where
+# they are used and reduce-scatters their gradients; shard_map does by hand.
+FSDP_TP = _Strategy("fsdp_tp", (2, 4), ("dp", "tp"), P("dp", None), _tp_param_spec, _dp_tp_par,
+                    weight_axis="dp")
 
 
-def _fsdp_tp_specs(model, cfg) -> tuple:
-  dp = FSDP_TP.mesh_shape[0]
+def _hsdp_tp_par():
+  return _tp_par(combine=_pmean_of_mean(("dp", "fsdp")))
+
+
+# HSDP x TP (MaxText's data, fsdp and tensor axes; 2 x 2 x 2): the batch over
+# "dp" x "fsdp", Megatron's specs over "tp", each weight also split over
+# "fsdp" as FSDP x TP's over "dp".
+HSDP_TP = _Strategy("hsdp_tp", (2, 2, 2), ("dp", "fsdp", "tp"), P(("dp", "fsdp"), None),
+                    _tp_param_spec, _hsdp_tp_par, (("batch", 4),), weight_axis="fsdp")
+
+
+def _fsdp_tp_specs(model, cfg, strategy: _Strategy = FSDP_TP) -> tuple:
+  axis = strategy.weight_axis
+  n = strategy.mesh_shape[strategy.axis_names.index(axis)]
   specs = []
   for name, shape in param_specs(model, cfg):
     lead = 1 if is_stacked(name) else 0
     layer = list(_tp_param_spec(model, name))
     layer += [None] * (len(shape) - lead - len(layer))
-    free = next((d for d, a in enumerate(layer) if a is None and shape[lead + d] % dp == 0),
+    free = next((d for d, a in enumerate(layer) if a is None and shape[lead + d] % n == 0),
                 None)
     if free is not None:
-      layer[free] = "dp"
+      layer[free] = axis
     specs.append(P(*[None] * lead, *layer))
-  return (FSDP_TP.token_spec, FSDP_TP.token_spec) + tuple(specs)
+  return (strategy.token_spec, strategy.token_spec) + tuple(specs)
 
 
 def _fsdp_tp_case(model, cfg, variant="ok", wrong_dim=False, bug=None, bug_primitive=None,
-                  grad=False) -> Case:
-  """shard_map FSDP x TP: each weight all-gathered over "dp" along the dim its
-  spec splits over "dp" (``wrong_dim``: along the next dim, the seeded bug,
-  made shape-correct by a reshape), then Megatron TP over "tp" as ``dp_tp``.
-  ``grad``: value_and_grad of the step inside shard_map (the gathers
-  transpose to reduce-scatters over "dp")."""
-  cfg = _cfg(FSDP_TP, cfg)
-  mesh = _mesh(FSDP_TP.mesh_shape, FSDP_TP.axis_names)
-  specs = _fsdp_tp_specs(model, cfg)
-  label = _ident(model, FSDP_TP.name, "grad" if grad else variant)
-  local = loss_fn(model, cfg, _dp_tp_par(), name=label)
+                  grad=False, strategy=FSDP_TP, gather_axis=None) -> Case:
+  """shard_map FSDP x TP (or HSDP x TP): each weight all-gathered over the
+  weight axis along the dim its spec splits over it (``wrong_dim``: along the
+  next dim, a seeded bug, made shape-correct by a reshape; ``gather_axis``:
+  over this axis instead, another, with the checker off), then Megatron TP
+  over "tp" as ``dp_tp``.  ``grad``: value_and_grad of the step inside
+  shard_map (the gathers transpose to reduce-scatters)."""
+  cfg = _cfg(strategy, cfg)
+  mesh = _mesh(strategy.mesh_shape, strategy.axis_names)
+  specs = _fsdp_tp_specs(model, cfg, strategy)
+  label = _ident(model, strategy.name, "grad" if grad else variant)
+  local = loss_fn(model, cfg, strategy.par(), name=label)
+  axis = strategy.weight_axis
+  n = strategy.mesh_shape[strategy.axis_names.index(axis)]
 
   def gather(p, spec):
-    if "dp" not in spec:
+    if axis not in spec:
       return p
-    d = list(spec).index("dp")
+    d = list(spec).index(axis)
     if not wrong_dim or d + 1 == p.ndim:
-      return lax.all_gather(p, "dp", axis=d, tiled=True)
-    shape = p.shape[:d] + (p.shape[d] * FSDP_TP.mesh_shape[0],) + p.shape[d + 1:]
-    return lax.all_gather(p, "dp", axis=d + 1, tiled=True).reshape(shape)
+      return lax.all_gather(p, gather_axis or axis, axis=d, tiled=True)
+    shape = p.shape[:d] + (p.shape[d] * n,) + p.shape[d + 1:]
+    return lax.all_gather(p, axis, axis=d + 1, tiled=True).reshape(shape)
 
   def body(tokens, labels, *params):
     return local(tokens, labels, *[gather(p, spec) for p, spec in zip(params, specs[2:])])
   body.__name__ = body.__qualname__ = label
-  return _gathering_case(model, cfg, FSDP_TP.name + ("_grad" if grad else ""), mesh, specs,
-                         body, grad, variant, bug, bug_primitive)
+  return _gathering_case(model, cfg, strategy.name + ("_grad" if grad else ""), mesh, specs,
+                         body, grad, variant, bug, bug_primitive, gather_axis is None)
 
 
 def _specs(model, strategy, cfg) -> tuple:
-  if strategy.name == FSDP_TP.name:
-    return _fsdp_tp_specs(model, cfg)
-  if strategy.name == HSDP.name:
-    return _fsdp_specs(model, cfg, HSDP)
-  fsdp = strategy.name.split("_")[0] == FSDP.name  # FSDP itself or a variant of it
-  return _fsdp_specs(model, cfg) if fsdp else _in_specs(model, strategy, cfg)
+  with_tp = {FSDP_TP.name: FSDP_TP, HSDP_TP.name: HSDP_TP}.get(strategy.name)
+  if with_tp is not None:
+    return _fsdp_tp_specs(model, cfg, with_tp)
+  # FSDP or HSDP itself, or a variant of either (scanned, with AdamW, ...)
+  gathering = {FSDP.name: FSDP, HSDP.name: HSDP}.get(strategy.name.split("_")[0])
+  if gathering is not None:
+    return _fsdp_specs(model, cfg, gathering)
+  return _in_specs(model, strategy, cfg)
 
 
 def _fsdp_case(model, cfg, variant="ok", gather_dim=0, bug=None, bug_primitive=None,
@@ -1943,16 +1961,23 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # HSDP: shard_map (weights gathered over "fsdp" by hand) and GSPMD.  The
   # seeded bug, the loss averaged over the shard group only ("fsdp"): each
   # replica reports the loss of its half of the batch.
+  # With scanned layers (shard_map: each layer's weights gathered inside the
+  # scanned layer), and x TP on 2 x 2 x 2.
   for model in MODELS:
-    built.append(_fsdp_case(model, cfg, strategy=HSDP))
-    built.append(_gspmd_case(model, HSDP, cfg))
-    if grad:
-      built.append(_fsdp_case(model, cfg, grad=True, strategy=HSDP))
-      built.append(_grad_case(model, HSDP, cfg))
+    for strategy, tp in ((HSDP, False), (_scanned(HSDP), False), (HSDP_TP, True)):
+      scan = strategy.name.endswith("_scan")
+      for grad_step in (False, True) if grad else (False,):
+        built.append(_fsdp_tp_case(model, cfg, grad=grad_step, strategy=strategy) if tp else
+                     _fsdp_case(model, cfg, scan=scan, grad=grad_step, strategy=HSDP))
+        built.append((_grad_case if grad_step else _gspmd_case)(model, strategy, cfg))
   for model, grad_step in (("gpt2", False), ("llama3", grad)):
     built.append(_fsdp_case(model, cfg, "loss_over_shard_group", strategy=HSDP,
                             par=_hsdp_par(loss_axes="fsdp"), check_vma=False, grad=grad_step,
                             bug="wrong_replica_groups", bug_primitive="output"))
+  # HSDP x TP with the weights gathered over "dp" (the replicas) instead of
+  # "fsdp": each rank gets two copies of its own shard.
+  built.append(_fsdp_tp_case("llama3", cfg, "gathered_over_replicas", strategy=HSDP_TP,
+                             gather_axis="dp", bug="wrong_axis", bug_primitive="dot_general"))
   for b in _bugs():
     built.append(_shard_map_case(b.model, _STRATEGIES[b.strategy], cfg, b.bug,
                                  b.par(), b.bug, b.bug_primitive, b.check_vma))
