@@ -17,18 +17,34 @@ from graphguard_hlo.passes.inference import Result
 
 
 def _abstract_args(args: Sequence[Any], mesh, in_specs) -> list:
+  """Abstract distributed arguments: each leaf of each pytree argument with
+  its own sharding, or, given ``in_specs`` (one per argument, each a prefix
+  of its argument's pytree, as ``shard_map`` reads them), that spec's."""
   import jax
-  from jax.sharding import NamedSharding
-  out = []
-  for i, a in enumerate(args):
-    sharding = getattr(a, "sharding", None)
-    if in_specs is not None:
-      if mesh is None:
-        raise ValueError("in_specs needs mesh=")
-      sharding = NamedSharding(mesh, in_specs[i])
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  def leaf(a, sharding=None):
+    sharding = sharding or getattr(a, "sharding", None)
     if sharding is not None and not hasattr(sharding, "mesh"):
       sharding = None
-    out.append(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding))
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+  if in_specs is None:
+    return [jax.tree.map(leaf, a) for a in args]
+  if mesh is None:
+    raise ValueError("in_specs needs mesh=")
+  if len(in_specs) != len(args):
+    raise ValueError(f"in_specs has {len(in_specs)} entries for {len(args)} arguments")
+  out = []
+  for i, (spec, a) in enumerate(zip(in_specs, args)):
+    def under(spec, subtree):
+      sharding = NamedSharding(mesh, PartitionSpec() if spec is None else spec)
+      return jax.tree.map(lambda x: leaf(x, sharding), subtree)
+    try:
+      out.append(jax.tree.map(under, spec, a, is_leaf=lambda s: s is None or isinstance(
+          s, PartitionSpec)))
+    except ValueError as e:
+      raise ValueError(f"in_specs[{i}] is not a prefix of argument {i}'s pytree: {e}") from None
   return out
 
 

@@ -18,15 +18,18 @@ from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.xla_partition import partition_lowered
 
 
-def _abstract(args: Sequence[Any], keep_sharding: bool):
+def _abstract(args: Sequence[Any], keep_sharding: bool) -> list:
+  """``args`` (arrays or ``ShapeDtypeStruct``s, in pytrees) as abstract
+  values of the same structure: only shapes, dtypes and, with
+  ``keep_sharding``, named shardings are kept."""
   import jax
-  out = []
-  for a in args:
+
+  def leaf(a):
     sharding = getattr(a, "sharding", None) if keep_sharding else None
     if sharding is not None and not hasattr(sharding, "mesh"):
       sharding = None
-    out.append(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding))
-  return out
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+  return [jax.tree.map(leaf, a) for a in args]
 
 
 def sequential_text(fn: Callable, *args) -> str:

@@ -29,6 +29,17 @@ def _dname(v: ir.Value) -> str:
   return f"%{v.producer.name}.{v.id}" if v.producer is not None else f"%{v.name or v.id}"
 
 
+def _seq_name(inf, sid: int) -> str:
+  """``%sid``, and when it is an argument, its number and name (JAX names
+  them by their pytree path, ``params['wq']``)."""
+  for i, p in enumerate(inf.seq.params):
+    if p.id == sid:
+      locations = inf.seq.param_locations
+      name = locations[i].op_name if i < len(locations) else None
+      return f"%{sid} (argument {i}{', ' + name if name else ''})"
+  return f"%{sid}"
+
+
 def _axes(axes) -> str:
   return ", ".join(f"'{a}'" for a in axes)
 
@@ -173,7 +184,7 @@ def _scale_origin_words(inf, v: ir.Value, start, members: dict) -> str:
   return (f"; it is off by a factor since the per-device {_dname(origin)} at "
           f"{origin.producer.location}, where "
           + _scale_words(r.layout.scale, inf.mesh).replace("the sequential one",
-                                                           f"the sequential %{sid}", 1))
+                                                           f"the sequential {_seq_name(inf, sid)}", 1))
 
 
 def _axes_of_reordered_groups(op: ir.Op, mesh) -> Optional[tuple[str, ...]]:
@@ -356,15 +367,17 @@ def _made_from_related(inf, dv: ir.Value, seq_of: dict, depth: int = 4) -> str:
           if path[0].name in COLLECTIVES and len(path) == 1 and \
               not inf.transfer.rank_tables.starts_at(path[0]):
             return ""  # said by _collective_words, in the collective's own terms
-          return _path_words(path, x, *found, inf.mesh) + _held_words(inf, path, x, *found, dv)
+          return _path_words(inf, path, x, *found) + _held_words(inf, path, x, *found, dv)
         if x.producer is not None and inf.deg.splat(inf.deg.of(x)) is None:
           grown.append(path + [x.producer])
     paths = grown[:16]
   return ""
 
 
-def _path_words(path: list, x: ir.Value, sid: int, r, mesh: ir.Mesh) -> str:
-  source = f"{_dname(x)}, which is the sequential %{sid} as {r.layout.describe('d')}"
+def _path_words(inf, path: list, x: ir.Value, sid: int, r) -> str:
+  mesh = inf.mesh
+  source = f"{_dname(x)}, which is the sequential {_seq_name(inf, sid)} as " \
+      f"{r.layout.describe('d')}"
   if len(path) == 1:
     p = path[0]
     shown = [f"{k} {_attr_text(a)}" for k, a in p.attrs.items()

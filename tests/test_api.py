@@ -121,6 +121,60 @@ def test_a_jitted_shard_map_keeps_its_mesh_axes():
                    in_specs=SPECS).refines
 
 
+# Parameters as a model holds them: a pytree, its specs a prefix of it.
+PARAMS = {"w1": ARGS[1], "w2": ARGS[2]}
+TREE_SPECS = (P(), {"w1": P(None, "tp"), "w2": P("tp", None)})
+
+
+def mlp_of_params(x, p):
+  return mlp(x, p["w1"], p["w2"])
+
+
+@pytest.mark.parametrize("reduce, refines", [(lambda y: jax.lax.psum(y, "tp"), True),
+                                             (lambda y: y, False)])
+def test_pytree_arguments_under_shard_map(reduce, refines):
+  dist = shard_map(lambda x, p: reduce(mlp_of_params(x, p)), mesh=MESH, in_specs=TREE_SPECS,
+                   out_specs=P(), check_vma=False)
+  result = gg.verify(mlp_of_params, dist, ARGS[0], PARAMS, mesh=MESH, in_specs=TREE_SPECS)
+  assert result.refines == refines, result
+  if not refines:
+    assert "(missing all-reduce)" in result.failure.diagnosis
+
+
+@pytest.mark.parametrize("specs", [TREE_SPECS, (P(), P(None, "tp"))], ids=["leaves", "prefix"])
+def test_pytree_arguments_under_gspmd(specs):
+  """A spec per leaf, or one spec for a whole subtree (every leaf split
+  alike), as shard_map reads in_specs."""
+  result = gg.verify(mlp_of_params, mlp_of_params, ARGS[0], PARAMS, mesh=MESH, in_specs=specs,
+                     out_specs=P())
+  assert result.refines, result
+
+
+def test_in_specs_not_a_prefix_of_the_arguments_is_a_clear_error():
+  with pytest.raises(ValueError, match=r"in_specs\[1\] is not a prefix of argument 1's pytree"):
+    gg.verify(mlp_of_params, mlp_of_params, ARGS[0], PARAMS, mesh=MESH,
+              in_specs=(P(), {"w1": P()}), out_specs=P())
+  with pytest.raises(ValueError, match="in_specs has 1 entries for 2 arguments"):
+    gg.verify(mlp_of_params, mlp_of_params, ARGS[0], PARAMS, mesh=MESH, in_specs=(P(),))
+
+
+def test_a_diagnosis_names_an_argument_by_its_pytree_path():
+  """Each rank slices the next rank's columns of a replicated weight: the
+  report names the weight as the user's pytree does."""
+  specs = (P(), {"w1": P(), "w2": P("tp", None)})
+
+  def body(x, p):
+    start = (jax.lax.axis_index("tp") + 1) % 4 * 8
+    w1 = jax.lax.dynamic_slice_in_dim(p["w1"], start, 8, axis=1)
+    return jax.lax.psum(jnp.tanh(x @ w1) @ p["w2"], "tp")
+  dist = shard_map(body, mesh=MESH, in_specs=specs, out_specs=P(), check_vma=False)
+  result = gg.verify(mlp_of_params, dist, ARGS[0], PARAMS, mesh=MESH, in_specs=specs)
+  assert not result.refines
+  assert "tile tp+1, another rank's tile?) of %" in result.failure.diagnosis
+  assert "which is the sequential %2 (argument 1, p['w1']) as replica(d@r)" in \
+      result.failure.diagnosis, result.failure.diagnosis
+
+
 def test_assert_refines_fails_with_the_report():
   gg.assert_refines(mlp, _tp(lambda y: jax.lax.psum(y, "tp")), *ARGS, mesh=MESH,
                     in_specs=SPECS)

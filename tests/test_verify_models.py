@@ -145,9 +145,10 @@ _DIAGNOSES: dict[str, str] = {
     "llama3/pp_circular_fori/gspmd/no_stage_lag":
         "(a stage running another layer's or another microbatch's step?)",
     # The norm of layer 4 (repeat 1 at stage 0) meets the final norm's weight.
-    "llama3/pp_circular/gspmd/collected_early": "which is the sequential %13 as replica(d@r)",
+    "llama3/pp_circular/gspmd/collected_early":
+        "which is the sequential %13 (argument 12, params[10]) as replica(d@r)",
     "gpt2/pp_circular_fori/gspmd/collected_early":
-        "which is the sequential %21 as replica(d@r)",
+        "which is the sequential %21 (argument 20, params[18]) as replica(d@r)",
     "gpt2/pp_gpipe_buffered/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
     "gpt2/pp_gpipe_fori/shard_map/output_misplaced": "in the order 3, 0, 1, 2",
     "gpt2/pp_1f1b_grad/shard_map/stale_input": "at pp=2 on pieces 1, 2, 3 of the 4 its operand "
