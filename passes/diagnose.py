@@ -900,5 +900,8 @@ def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[La
   if capped and not mine:
     problems.insert(0, capped)
   where = s.producer.location if s.producer else ir.UNKNOWN_LOCATION
-  inputs = [(f"output {i}: {s.type}", inf.describe(s))]
+  info = inf.seq.result_attrs[i].get("jax.result_info") if i < len(inf.seq.result_attrs) \
+      else None  # JAX's pytree path of the output, "result[1]['wq']"
+  named = f" ({info})" if info and info not in ("result", f"result[{i}]") else ""
+  inputs = [(f"output {i}{named}: {s.type}", inf.describe(s))]
   return Failure("output", where, inputs, "; ".join(dict.fromkeys(problems)), output_index=i)
