@@ -196,6 +196,16 @@ def _laid_out_alike(operands: list[ir.Value], choices: list[list]):
 
 
 
+def _splat_tiled(op_name: str, k: int) -> bool:
+  """May operand k of the op, a splat, take a tiling the per-device program
+  holds it as a splat in?  A scatter's base (zeros of a table split by rows)
+  and updates (a mean's constant cotangent, rows split like their indices);
+  either operand of a matmul (the cotangent of a sum is ones, split like the
+  batch it is summed over).  Elementwise ops adopt their neighbours' tilings
+  instead; indices keep theirs."""
+  return (op_name == "scatter" and k != 1) or op_name == "dot_general"
+
+
 def _holds_of_copies(layout: Layout) -> bool:
   """Does ``layout`` relate a value to copies of it at every rank?  Not if
   the other ranks must hold zeros, the copies are summed (a max or min of
@@ -749,7 +759,7 @@ class RelationInference:
     for k, v in enumerate(op.operands):
       if v.id in self.splats:
         choices.append([("splat", None)] + ([("splat", l) for l in self._splat_tilings(v)]
-                                             if op.name == "scatter" and k != 1 else []))
+                                             if _splat_tiled(op.name, k) else []))
       else:
         rels = relations_of(v)
         if not rels:

@@ -158,6 +158,31 @@ def test_in_specs_not_a_prefix_of_the_arguments_is_a_clear_error():
     gg.verify(mlp_of_params, mlp_of_params, ARGS[0], PARAMS, mesh=MESH, in_specs=(P(),))
 
 
+@pytest.mark.parametrize("reduce_w1", [True, False])
+def test_data_parallel_gradients_of_a_params_dict(reduce_w1):
+  """A sum loss: its cotangent is ones, split by rows like the batch, and
+  meets the activations in the weight gradient's matmul.  With w1's gradient
+  never summed over the ranks, the failed output is named by its pytree path."""
+  def loss(x, p):
+    return jnp.sum(mlp_of_params(x, p))
+  specs = (P("tp", None), {"w1": P(), "w2": P()})
+
+  def step(x, p):  # data parallel over "tp": local gradients, then sums
+    value, grads = jax.value_and_grad(loss, argnums=1)(x, p)
+    total = lambda g: jax.lax.psum(g, "tp")
+    return total(value), {"w1": total(grads["w1"]) if reduce_w1 else grads["w1"],
+                          "w2": total(grads["w2"])}
+  dist = shard_map(step, mesh=MESH, in_specs=specs, out_specs=(P(), {"w1": P(), "w2": P()}),
+                   check_vma=False)
+  result = gg.verify(jax.value_and_grad(loss, argnums=1), dist, ARGS[0], PARAMS, mesh=MESH,
+                     in_specs=specs)
+  assert result.refines == reduce_w1, result
+  if not reduce_w1:
+    assert result.failure.output_index == 1
+    assert result.failure.inputs[0][0] == "output 1 (result[1]['w1']): f32[16,32]"
+    assert "output 1 is a partial sum over 'tp' never reduced" in result.failure.diagnosis
+
+
 def test_a_diagnosis_names_an_argument_by_its_pytree_path():
   """Each rank slices the next rank's columns of a replicated weight: the
   report names the weight as the user's pytree does."""
