@@ -25,6 +25,7 @@ import numpy as np
 
 from graphguard_hlo import ir
 from graphguard_hlo.errors import InputError
+from graphguard_hlo.loaders.gather_spec import gather_violation
 from graphguard_hlo.loaders.stablehlo import _canonicalize
 
 # --------------------------------------------------------------------------- tokens
@@ -1792,6 +1793,17 @@ class _Importer:
                                     for k, d in enumerate(bd)):
         fail(f"dimensions={{{','.join(map(str, bd))}}} does not broadcast {operands[0].type} "
              f"into {shp}")
+    if op == "gather":
+      problem = gather_violation(
+          dims(operands[0]), dims(operands[1]), shp.dims,
+          *(self.attr_ints(ins, k, ()) for k in (
+              "offset_dims", "collapsed_slice_dims", "operand_batching_dims",
+              "start_indices_batching_dims", "start_index_map")),
+          self.attr_int(ins, "index_vector_dim", 0), self.attr_ints(ins, "slice_sizes"))
+      if problem is None and operands[0].type.dtype != shp.ir_type().dtype:  # (C23)
+        problem = f"the result's element type {shp.dtype} is not the operand's"
+      if problem is not None:
+        fail(problem)
     if op == "dot":
       lc = self.attr_ints(ins, "lhs_contracting_dims", ())
       rc = self.attr_ints(ins, "rhs_contracting_dims", ())
