@@ -66,9 +66,22 @@ def region_fingerprint(g: ir.Graph) -> Hashable:
 
 def op_head(name: str, attrs: dict[str, Any], result_type: ir.TensorType,
             regions: tuple = (), result_index: int = 0) -> Hashable:
+  if name == "transpose":
+    attrs = {**attrs, "permutation": unit_dims_in_order(attrs["permutation"], result_type.shape)}
   return (name, attrs_key(attrs), result_type,
           tuple(region_fingerprint(r) if isinstance(r, ir.Graph) else r for r in regions),
           result_index)
+
+
+def unit_dims_in_order(perm: tuple[int, ...], result_shape: tuple[int, ...]) -> tuple[int, ...]:
+  """A transpose's permutation with the operand's unit dims taken in order:
+  a transpose that swaps two size-1 dims moves no element, so every order
+  of them spells one op (XLA picks any)."""
+  units = [i for i, n in enumerate(result_shape) if n == 1]
+  out = list(perm)
+  for i, d in zip(units, sorted(perm[i] for i in units)):
+    out[i] = d
+  return tuple(out)
 
 
 def splat_value(v: ir.Value) -> Optional[float]:

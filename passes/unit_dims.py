@@ -219,12 +219,21 @@ def _dot(attrs, operand_types, child_types, result_type):
 
 
 def _transpose(attrs, t: ir.TensorType, c: ir.TensorType, result_type):
-  """The transpose moving ``c``'s non-unit dims as ``attrs`` moves ``t``'s,
-  ``c``'s unit dims kept in place (a stage's unit dim in front, where the
-  sequential tile has a microbatch's unit dim elsewhere)."""
+  """The transpose moving ``c``'s non-unit dims as ``attrs`` moves ``t``'s:
+  first with ``c``'s unit dims where the result has its own (XLA's transpose
+  of a tile whose heads dim is 1 on each rank), then with them kept in place
+  (a stage's unit dim in front, where the sequential tile has a microbatch's
+  unit dim elsewhere)."""
   m = _remap(t, c)
-  moved = iter(m[d] for d in attrs["permutation"] if d in m)
-  perm = tuple(j if c.shape[j] == 1 else next(moved) for j in range(c.rank))
+  moved = [m[d] for d in attrs["permutation"] if d in m]
+  units = [j for j in range(c.rank) if c.shape[j] == 1]
+  if result_type.rank == c.rank and result_type.shape.count(1) == len(units):
+    unit_it, moved_it = iter(units), iter(moved)
+    perm = tuple(next(unit_it) if n == 1 else next(moved_it) for n in result_type.shape)
+    if tuple(c.shape[j] for j in perm) == result_type.shape:
+      yield {**attrs, "permutation": perm}, result_type
+  moved_it = iter(moved)
+  perm = tuple(j if c.shape[j] == 1 else next(moved_it) for j in range(c.rank))
   yield {**attrs, "permutation": perm}, ir.TensorType(tuple(c.shape[j] for j in perm),
                                                       result_type.dtype)
 

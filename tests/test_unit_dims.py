@@ -109,6 +109,42 @@ def test_transpose(data):
   assert _check("transpose", {"permutation": perm}, [x], [shape[p] for p in perm], [dev])
 
 
+def test_a_transposed_tile_keeps_the_results_unit_dims_where_it_can():
+  """XLA's transpose in jax.nn.dot_product_attention's backward, heads split
+  over 4 ranks: the sequential tile [1, 2, 8, 1, 8] (a unit dim moved by a
+  reshape), the device's [2, 8, 1, 1, 8] never reshaped.  The first variant
+  gives the tile's own result shape, as the device's transpose does."""
+  (attrs, rtype), *_ = squeezed_variants(
+      "transpose", {"permutation": (1, 3, 4, 0, 2)}, [_t((1, 2, 8, 1, 8))],
+      [_t((2, 8, 1, 1, 8))], _t((2, 1, 8, 1, 8)))
+  assert attrs["permutation"] == (0, 2, 4, 3, 1) and rtype.shape == (2, 1, 8, 1, 8)
+
+
+@SETTINGS
+@given(st.data())
+def test_unit_dims_in_order_moves_no_element(data):
+  """Every order of a transpose's size-1 dims is one op (``terms.op_head``
+  spells them alike)."""
+  from graphguard_hlo.passes.terms import unit_dims_in_order
+  shape = data.draw(shapes_with_units(max_rank=5))
+  perm = tuple(data.draw(st.permutations(range(len(shape)))))
+  x = np.random.default_rng(3).standard_normal(shape)
+  result_shape = tuple(shape[p] for p in perm)
+  normal = unit_dims_in_order(perm, result_shape)
+  assert sorted(normal) == list(range(len(shape)))
+  np.testing.assert_array_equal(np.transpose(x, normal), np.transpose(x, perm))
+  assert unit_dims_in_order(normal, result_shape) == normal
+
+
+def test_transposes_differing_only_in_unit_dims_are_one_e_node():
+  from graphguard_hlo.passes.terms import op_head
+  result = _t((2, 1, 8, 1, 8))
+  assert op_head("transpose", {"permutation": (0, 3, 4, 2, 1)}, result) == \
+      op_head("transpose", {"permutation": (0, 2, 4, 3, 1)}, result)
+  assert op_head("transpose", {"permutation": (0, 2, 4, 3, 1)}, result) != \
+      op_head("transpose", {"permutation": (1, 2, 4, 3, 0)}, _t((8, 1, 8, 1, 2)))
+
+
 # -- ops under vmap over a dim held one row per device (GSPMD's pipeline stages) ----
 
 @st.composite
