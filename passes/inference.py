@@ -696,15 +696,18 @@ class RelationInference:
     return None
 
   def _with_identity(self, op: ir.Op) -> None:
-    """max(s, -inf), min(s, +inf) and s + 0 are s (``jnp.max(..., initial=-inf)``;
-    optax squares a real gradient's imaginary part, zeros, and adds it): they
-    relate wherever s does.  Read here rather than canonicalized away, since
-    either program may hold the constant as a loop's invariant carry, or
-    compute it (0 * 0)."""
-    identity = {"maximum": -math.inf, "minimum": math.inf, "add": 0.0}.get(op.name)
+    """max(s, -inf), min(s, +inf), s + 0 and s - 0 are s (``jnp.max(...,
+    initial=-inf)``; optax squares a real gradient's imaginary part, zeros,
+    and adds it; ``jnp.logaddexp(s, 0)``, softplus, subtracts its zero, which
+    XLA's simplifier drops): they relate wherever s does.  Read here rather
+    than canonicalized away, since either program may hold the constant as a
+    loop's invariant carry, or compute it (0 * 0)."""
+    identity = {"maximum": -math.inf, "minimum": math.inf, "add": 0.0,
+                "subtract": 0.0}.get(op.name)
     if identity is None or len(op.operands) != 2:
       return
-    for s, other in (op.operands, op.operands[::-1]):
+    orders = [op.operands] if op.name == "subtract" else [op.operands, op.operands[::-1]]
+    for s, other in orders:  # (0 - s is not s)
       if self.splats.get(other.id) == identity and s.id not in self.splats:
         for r in list(self.relations.get(s.id, [])):
           self.add_relation(op.results[0], Relation(r.cls, r.layout, f"{op.name}-identity"))
