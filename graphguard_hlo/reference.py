@@ -136,6 +136,13 @@ UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "is_finite": np.isfinite, "not": np.invert,  # logical on i1, bitwise on ints
     "erf": np.vectorize(math.erf, otypes=[np.float64]),
     "chlo.square": np.square,
+    "chlo.erf": np.vectorize(math.erf, otypes=[np.float64]),
+    "chlo.erfc": np.vectorize(math.erfc, otypes=[np.float64]),
+    "chlo.lgamma": np.vectorize(math.lgamma, otypes=[np.float64]),
+    "chlo.sinh": np.sinh, "chlo.cosh": np.cosh, "chlo.tan": np.tan,
+    "chlo.asin": np.arcsin, "chlo.acos": np.arccos, "chlo.atan": np.arctan,
+    "chlo.asinh": np.arcsinh, "chlo.acosh": np.arccosh, "chlo.atanh": np.arctanh,
+    "chlo.is_inf": np.isinf, "chlo.is_pos_inf": np.isposinf, "chlo.is_neg_inf": np.isneginf,
 }
 
 BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {

@@ -807,6 +807,17 @@ def _chunk_order_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
+def _expanded_chlo_words(inf, op: ir.Op) -> str:
+  """A chlo op the per-device program does not hold: XLA expanded it (erfc
+  into a polynomial) before partitioning, and expansions are not read back."""
+  if not op.name.startswith("chlo.") or any(
+      d.name == op.name for d in inf.whole_dist.graph.walk()):
+    return ""
+  return (f"; the per-device program has no {op.name}: XLA expands it into elementary ops "
+          "before partitioning, which graphguard-hlo does not read back as it (a limitation, "
+          "not a sign of a bug: shard_map programs keep it)")
+
+
 def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   """``pin_words``: ``held_at_different_ranks``'s words, if the caller has them."""
   from graphguard_hlo.passes.inference import Failure
@@ -827,7 +838,8 @@ def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   if not problems:
     problems.append(_held_apart_words(inf, op) or _mismatch_words(inf, op) or capped or
                     f"no op of the per-device program computes this {op.name} from values "
-                    "related to its operands (no lemma gives a clean expression)")
+                    "related to its operands (no lemma gives a clean expression)"
+                    + _expanded_chlo_words(inf, op))
   if capped and capped not in problems:
     problems.append(capped)
   seq_ctx, dist_ctx = _context(inf, op)

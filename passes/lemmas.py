@@ -38,7 +38,11 @@ UNARY_NONLINEAR = frozenset({
     "abs", "cbrt", "ceil", "cosine", "exponential", "exponential_minus_one", "floor",
     "is_finite", "log", "log_plus_one", "logistic", "not", "popcnt", "round_nearest_afz",
     "round_nearest_even", "rsqrt", "sign", "sine", "sqrt", "tan", "tanh", "erf",
-    "count_leading_zeros", "convert", "bitcast_convert", "reduce_precision", "negate", "copy"})
+    "count_leading_zeros", "convert", "bitcast_convert", "reduce_precision", "negate", "copy"}
+    # chlo's pointwise math, which jax emits (exact GELU is ``chlo.erfc``).
+    | {"chlo.erfc", "chlo.erf", "chlo.lgamma", "chlo.sinh", "chlo.cosh", "chlo.tan",
+       "chlo.asin", "chlo.acos", "chlo.atan", "chlo.asinh", "chlo.acosh", "chlo.atanh",
+       "chlo.is_inf", "chlo.is_pos_inf", "chlo.is_neg_inf"})
 BINARY_ELEMENTWISE = frozenset({
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "remainder",
     "atan2", "and", "or", "xor", "shift_left", "shift_right_arithmetic",

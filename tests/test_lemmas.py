@@ -144,6 +144,10 @@ def random_values(rng: np.random.Generator, shape, domain: str = "real") -> np.n
     return rng.uniform(0.5, 2.0, shape) * rng.choice([-1.0, 1.0], shape)
   if domain == "bool":
     return rng.random(shape) < 0.5
+  if domain == "unit":
+    return rng.uniform(-0.9, 0.9, shape)
+  if domain == "above_one":
+    return rng.uniform(1.1, 3.0, shape)
   return rng.standard_normal(shape)
 
 
@@ -226,7 +230,11 @@ UNARY_DOMAINS = {
     "logistic": "real", "sqrt": "positive", "rsqrt": "positive", "cbrt": "real",
     "tanh": "real", "sine": "real", "cosine": "real", "ceil": "real", "floor": "real",
     "sign": "real", "round_nearest_even": "real", "round_nearest_afz": "real",
-    "erf": "real", "is_finite": "real", "convert": "real"}
+    "erf": "real", "is_finite": "real", "convert": "real",
+    "chlo.erf": "real", "chlo.erfc": "real", "chlo.lgamma": "positive", "chlo.sinh": "real",
+    "chlo.cosh": "real", "chlo.tan": "real", "chlo.asin": "unit", "chlo.acos": "unit",
+    "chlo.atan": "real", "chlo.asinh": "real", "chlo.acosh": "above_one", "chlo.atanh": "unit",
+    "chlo.is_inf": "real", "chlo.is_pos_inf": "real", "chlo.is_neg_inf": "real"}
 BINARY_DOMAINS = {
     "add": ("real", "real"), "subtract": ("real", "real"), "multiply": ("real", "real"),
     "divide": ("real", "nonzero"), "maximum": ("real", "real"), "minimum": ("real", "real"),
@@ -250,7 +258,7 @@ def elementwise_case(draw, name: str, base: Layout, mesh: ir.Mesh, seed: int,
   if name == "compare":
     attrs["comparison_direction"] = draw(st.sampled_from(sorted(reference.COMPARISONS)))
     result_dtype = "i1"
-  if name == "is_finite":
+  if name in ("is_finite", "chlo.is_inf", "chlo.is_pos_inf", "chlo.is_neg_inf"):
     result_dtype = "i1"
   dtypes = ["i1" if d == "bool" else F64 for d in domains]
   return Case(seq_op(name, attrs, values, shape, mesh, result_dtype, dtypes), layouts, values,
