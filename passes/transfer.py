@@ -670,7 +670,10 @@ class Transfer:
       iota_v, off_v = op.operands
       if iota_v.producer is None or iota_v.producer.name != "iota":
         iota_v, off_v = off_v, iota_v
-      if iota_v.producer.attrs.get("iota_dimension") != k or op.results[0].type.dtype != seq_type.dtype:
+      if iota_v.producer.attrs.get("iota_dimension") != k:
+        continue
+      tile = self._as_dtype(op.results[0], seq_type.dtype)
+      if tile is None:
         continue
       local = op.results[0].type.shape
       if len(local) != len(seq_type.shape):
@@ -690,5 +693,17 @@ class Transfer:
         continue
       if any(local[d] != seq_type.shape[d] for d in range(len(local)) if d != k):
         continue
-      yield self.deg.of(op.results[0]), Layout(tuple(dims))
+      yield self.deg.of(tile), Layout(tuple(dims))
+
+  def _as_dtype(self, v: ir.Value, dtype: str) -> Optional[ir.Value]:
+    """``v``, or its convert to ``dtype`` when ``v`` holds integers and
+    ``dtype`` is a float type: a float iota is its integer index converted
+    (StableHLO's iota), so ``convert(iota + r*n)`` is its tile as the
+    integer one is (``jnp.arange(n) + offset`` then ``astype``)."""
+    if v.type.dtype == dtype:
+      return v
+    if not (v.type.dtype.startswith(("i", "ui")) and dtype.startswith(("f", "bf"))):
+      return None
+    return next((u.results[0] for u in self.users.get(self.deg.of(v), ())
+                 if u.name == "convert" and u.results[0].type.dtype == dtype), None)
 
