@@ -719,17 +719,49 @@ def _microbatch_words(inf, op: ir.Op) -> Optional[str]:
           f"another step?)")
 
 
+# How far back from a failing op an iota is looked for, through the ops
+# positions flow through on their way to RoPE's angles or a mask.
+_IOTA_DEPTH = 6
+_POSITION_CARRIERS = frozenset({"broadcast_in_dim", "reshape", "convert", "concatenate",
+                                "slice", "transpose", "multiply", "divide", "add", "subtract",
+                                "cosine", "sine", "compare", "and", "select"})
+
+
+def _iotas_feeding(op: ir.Op) -> list[ir.Op]:
+  """The sequential iotas a few position-carrying ops before ``op``."""
+  if op.name == "iota":
+    return [op]
+  found, frontier, seen = [], [op], set()
+  for _ in range(_IOTA_DEPTH):
+    ahead = []
+    for o in frontier:
+      for v in o.operands:
+        p = v.producer
+        if p is None or id(p) in seen:
+          continue
+        seen.add(id(p))
+        if p.name == "iota":
+          found.append(p)
+        elif p.name in _POSITION_CARRIERS:
+          ahead.append(p)
+    frontier = ahead
+  return found
+
+
 def _iota_words(inf, op: ir.Op) -> Optional[str]:
   """A sequential iota (positions, a mask's rows) whose per-device tiles are
-  missing: if the devices run iotas of a tile's length, they count from 0."""
-  iotas = [op] if op.name == "iota" else [p for p in map(_under_reshapes, op.operands)
-                                          if p is not None and p.name == "iota"]
+  missing: if the devices run iotas of a tile's length, they count from 0.
+  An integer iota converted to the sequential float one counts alike."""
   offset = {id(v.producer) for add in inf.transfer.iota_adds for v in add.operands}
-  for seq_iota in iotas:
+  for seq_iota in _iotas_feeding(op):
     t = seq_iota.results[0].type
     n_seq = t.shape[seq_iota.attrs["iota_dimension"]]
     for d_op in inf.dist.graph.walk():
-      if d_op.name != "iota" or id(d_op) in offset or d_op.results[0].type.dtype != t.dtype:
+      if d_op.name != "iota" or id(d_op) in offset:
+        continue
+      dtype = d_op.results[0].type.dtype
+      if dtype != t.dtype and not (dtype.startswith(("i", "ui"))
+                                   and t.dtype.startswith(("f", "bf"))):
         continue
       n = d_op.results[0].type.shape[d_op.attrs["iota_dimension"]]
       if n < n_seq and n_seq % n == 0:
