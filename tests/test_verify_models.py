@@ -256,6 +256,12 @@ _DIAGNOSES: dict[str, str] = {
         "so summed over those ranks it is counted 4 times",
     "llama3/pp_gpipe/shard_map/microbatch_fed_late": "but never takes rows 3 (a microbatch "
                                                      "skipped?)",
+    "gpt2/cp_ulysses/shard_map/head_dim_split":
+        "is only known as a partial sum over 'cp' that is never reduced before this select "
+        "(missing all-reduce)",
+    "llama3/cp_ulysses/shard_map/head_dim_split":
+        "is only known as a partial sum over 'cp' that is never reduced before this select "
+        "(missing all-reduce)",
     "gpt2/hsdp/shard_map/loss_over_shard_group":
         "output 0 is a partial sum over 'dp' never reduced (missing all-reduce)",
     "llama3/hsdp_grad/shard_map/loss_over_shard_group":

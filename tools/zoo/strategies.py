@@ -36,6 +36,10 @@
     Both shard_map only (the ring is the hand-written part); ``cp_ring``
     also forward+backward (its gather transposes to a ring reduce-scatter).
 
+  * ``cp_ulysses``: ``cp`` with DeepSpeed-Ulysses' attention: q, k, v
+    all-to-all'd from a split by positions to a split by heads, attention of
+    each rank's heads over the whole sequence, and back.  shard_map only.
+
   * ``cp_ring_fori``, ``ring_attention_fori``, ``ring_attention_vjp_fori``:
     the same with each ring's steps under ``lax.fori_loop``, as ring attention
     libraries write it.
@@ -93,8 +97,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tools.zoo import one_f_one_b, partitioner_bugs, training, zero
 from tools.zoo.cases import Case, mesh_of
 from tools.zoo.models import (MODELS, SEQUENTIAL, Config, Parallel, arg_shapes, base_name,
-                              is_stacked, loss_fn, param_specs, repeat_kv, run_stack_in_order,
-                              scan_stack, slots_per_group)
+                              causal_attention, is_stacked, loss_fn, param_specs, repeat_kv,
+                              run_stack_in_order, scan_stack, slots_per_group)
 
 
 # --------------------------------------------------------------------------
@@ -384,6 +388,27 @@ def _dp_tp_ring_attention_par(ring_axis="cp", fori=False):
   """``dp_tp_cp`` with ring attention round "cp" (each rank's tp heads)."""
   return dataclasses.replace(_dp_tp_cp_par(),
                              attend=_ring_attention("cp", ring_axis=ring_axis, fori=fori))
+
+
+def _ulysses_attention(axis, split_dim=2):
+  """DeepSpeed-Ulysses: q, k, v [b, s/n, h, hd] all-to-all'd over ``axis``
+  to [b, s, h/n, hd] (each rank every position of its heads), causal
+  attention of those heads, its output all-to-all'd back to [b, s/n, h * hd].
+  ``split_dim``: the dim the exchange splits, the heads (3, the head dim, is
+  the seeded bug: each rank's scores a partial sum over the head dim)."""
+  def attend(q, k, v):
+    to_heads = lambda x: lax.all_to_all(x, axis, split_dim, 1, tiled=True)
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    b, s = q.shape[:2]
+    o = causal_attention(q, k, v).reshape(q.shape)
+    o = lax.all_to_all(o, axis, 1, split_dim, tiled=True)
+    return o.reshape(b, s // lax.axis_size(axis), -1)
+  return attend
+
+
+def _ulysses_par(split_dim=2):
+  """``cp`` with Ulysses' all-to-alls round the attention instead of gathered k/v."""
+  return dataclasses.replace(_cp_par(), attend=_ulysses_attention("cp", split_dim))
 
 
 def _ring_par(shift=1, fori=False):
@@ -1059,6 +1084,10 @@ CP_ZIGZAG = _Strategy("cp_zigzag", (4,), ("cp",), P(), lambda model, name: P(), 
 CP_ZIGZAG_VJP = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_vjp", par=lambda: _cp_zigzag_par(
     position_rows=_zigzag_rows_by_hand("cp")))
 CP_RING = _Strategy("cp_ring", (4,), ("cp",), P(None, "cp"), _cp_param_spec, _ring_par)
+# DeepSpeed-Ulysses: the sequence split over "cp" everywhere but attention,
+# which all-to-alls to a split by heads and back.  shard_map only.
+CP_ULYSSES = _Strategy("cp_ulysses", (4,), ("cp",), P(None, "cp"), _cp_param_spec,
+                       _ulysses_par)
 CP_ZIGZAG_RING = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_ring", par=_zigzag_ring_par)
 CP_ZIGZAG_RING_ATTENTION = dataclasses.replace(CP_ZIGZAG, name="cp_zigzag_ring_attention",
                                                par=_zigzag_ring_attention_par)
@@ -2501,6 +2530,15 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
     if grad:
       built.append(_shard_map_grad_case(model, CP_RING, cfg))
       built.append(_shard_map_grad_case(model, ring_scan, cfg))
+  # Ulysses, forward and backward; the seeded bug, the all-to-all splitting
+  # the head dim instead of the heads (wrong axis).
+  for model in MODELS:
+    built.append(_shard_map_case(model, CP_ULYSSES, cfg, "ok", CP_ULYSSES.par()))
+    if grad:
+      built.append(_shard_map_grad_case(model, CP_ULYSSES, cfg))
+  for model in MODELS:
+    built.append(_shard_map_case(model, CP_ULYSSES, cfg, "head_dim_split",
+                                 _ulysses_par(split_dim=3), "wrong_axis", "select"))
   built.append(_shard_map_case("gpt2", CP_RING, cfg, "wrong_permutation", _ring_par(shift=-1),
                                "wrong_permutation", "dot_general"))
   # The same under lax.fori_loop (ring_loops.py); its transpose, a ring
