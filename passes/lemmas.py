@@ -294,32 +294,40 @@ def _spread_axes(axes: tuple[str, ...], shape: list[int], sizes: dict[str, int]
 
 
 def _free_axis_choices(op: SeqOp, taken: set[str], free_dims: Sequence[int],
-                       base: list[tuple[str, ...]], limit: int = 24):
+                       base: list[tuple[str, ...]], limit: int = 24, hinted_limit: int = 64):
   """Ways to tile dims whose content does not depend on the position along them.
 
   The choices grow as (2^axes)^dims, so at most ``limit`` are tried, after
-  every one giving a tile of ``op.tile_shapes`` (a handful: the per-device
-  program's own shapes pick how many ranks split each dim)."""
+  those giving a tile of ``op.tile_shapes`` (the per-device program's own
+  shapes pick how many ranks split each dim: the 6 orders of three axes on
+  one dim for HSDP's one-hot), of which at most ``hinted_limit``."""
   options_per_dim = [_dim_options(op, taken, op.result_type.shape[d]) for d in free_dims]
-  hinted = []
+  hinted: dict[tuple, None] = {}  # (ordered, and read in constant time below)
   for shape in op.tile_shapes:
     options = _options_for_tile(op, free_dims, base, options_per_dim, shape)
-    if options is not None:
-      hinted += [c for c in itertools.product(*options) if c not in hinted]
-  count = 0
-  for choice in itertools.chain(hinted, (c for c in itertools.product(*options_per_dim)
-                                         if c not in hinted)):
-    flat = [x for c in choice for x in c]
-    if len(flat) != len(set(flat)):
+    if options is None:
       continue
-    dims = list(base)
-    for d, c in zip(free_dims, choice):
-      dims[d] = c
-    yield tuple(dims)
-    if choice not in hinted:
-      count += 1
-      if count >= limit:
-        return
+    for choice in itertools.islice(itertools.product(*options), 16 * hinted_limit):
+      if len(hinted) >= hinted_limit:
+        break
+      if _axes_distinct(choice):
+        hinted[choice] = None
+  yield from (_placed(base, free_dims, choice) for choice in hinted)
+  others = (c for c in itertools.product(*options_per_dim)
+            if c not in hinted and _axes_distinct(c))
+  yield from (_placed(base, free_dims, choice) for choice in itertools.islice(others, limit))
+
+
+def _axes_distinct(choice) -> bool:
+  flat = [x for c in choice for x in c]
+  return len(flat) == len(set(flat))
+
+
+def _placed(base, free_dims, choice) -> tuple:
+  dims = list(base)
+  for d, c in zip(free_dims, choice):
+    dims[d] = c
+  return tuple(dims)
 
 
 def _dim_options(op: SeqOp, taken: set[str], extent: int) -> list[tuple[str, ...]]:

@@ -88,13 +88,14 @@ def _stablehlo_accepts(operand, indices, result, f) -> bool:
   from jaxlib.mlir import ir as mlir_ir
   t = lambda shape, e: f"tensor<{'x'.join(map(str, shape))}{'x' if shape else ''}{e}>"
   ints = lambda xs: f"[{', '.join(map(str, xs))}]"
+  i64s = lambda xs: f"array<i64: {', '.join(map(str, xs))}>" if xs else "array<i64>"
   text = f"""func.func @main(%x: {t(operand, 'f32')}, %i: {t(indices, 'i32')}) -> {t(result, 'f32')} {{
   %g = "stablehlo.gather"(%x, %i) {{dimension_numbers = #stablehlo.gather<
       offset_dims = {ints(f['offset_dims'])}, collapsed_slice_dims = {ints(f['collapsed_slice_dims'])},
       operand_batching_dims = {ints(f['operand_batching_dims'])},
       start_indices_batching_dims = {ints(f['start_indices_batching_dims'])},
       start_index_map = {ints(f['start_index_map'])}, index_vector_dim = {f['index_vector_dim']}>,
-    slice_sizes = array<i64: {', '.join(map(str, f['slice_sizes']))}>}}
+    slice_sizes = {i64s(f['slice_sizes'])}}}
     : ({t(operand, 'f32')}, {t(indices, 'i32')}) -> {t(result, 'f32')}
   return %g : {t(result, 'f32')}
 }}"""
@@ -145,6 +146,8 @@ ENTRY main {
     ("start_index_map={0}", "start_index_map={0,1}", "start_index_map has 2 entries for 1"),
     ("f32[2,3] gather", "f32[3,2] gather", "the result must have shape [2, 3], not [3, 2]"),
     ("f32[2,3] gather", "s32[2,3] gather", "the result's element type s32 is not the operand's"),
+    ("s32[2,1] parameter(1)", "f32[2,1] parameter(1)", "start indices must be integers, not f32"),
+    ("s32[2,1] parameter(1)", "pred[2,1] parameter(1)", "start indices must be integers"),
 ])
 def test_a_bad_gather_is_one_line_naming_its_line(old, new, words):
   with pytest.raises(InputError) as e:

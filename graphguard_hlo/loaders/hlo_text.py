@@ -1802,6 +1802,9 @@ class _Importer:
           self.attr_int(ins, "index_vector_dim", 0), self.attr_ints(ins, "slice_sizes"))
       if problem is None and operands[0].type.dtype != shp.ir_type().dtype:  # (C23)
         problem = f"the result's element type {shp.dtype} is not the operand's"
+      index_type = operands[1].type.dtype
+      if problem is None and not index_type.startswith(("i", "ui")):  # (pred is "pred")
+        problem = f"start indices must be integers, not {index_type}"  # (I2)
       if problem is not None:
         fail(problem)
     if op == "dot":
