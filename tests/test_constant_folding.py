@@ -52,3 +52,39 @@ def test_a_different_constant_is_caught():
   result = verify_programs(seq, prog)
   assert not result.refines
   assert "4 times" in result.failure.diagnosis or "0.25 times" in result.failure.diagnosis
+
+
+# -- folding only what IEEE fixes to the bit (a helper audit's false proofs) ----
+
+def _verify_jax(seq, dist_body):
+  import jax
+  import jax.numpy as jnp
+  from jax import shard_map
+  from jax.sharding import Mesh, PartitionSpec as P
+  import graphguard_hlo as gg
+  mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+  dist = shard_map(dist_body, mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp"))
+  return gg.verify(seq, dist, jax.ShapeDtypeStruct((8,), jnp.float32), mesh=mesh,
+                   in_specs=(P("tp"),))
+
+
+def test_a_transcendental_of_a_constant_is_not_folded():
+  """erfc(0.07957394) is 0.9103996 in XLA's float32 polynomial and
+  0.91039956 correctly rounded: a program holding the latter must not be
+  proved equal to one computing the former.  Computed on both sides, it is
+  the same op of the same splat."""
+  import math
+  import jax.numpy as jnp
+  from jax import lax
+  c = np.float32(0.07957394)
+  rounded = np.float32(math.erfc(float(c)))
+  seq = lambda x: x * lax.erfc(jnp.float32(c))
+  assert not _verify_jax(seq, lambda x: x * rounded).refines
+  assert _verify_jax(seq, seq).refines
+
+
+def test_only_s_minus_positive_zero_is_s():
+  """-0.0 - (-0.0) is +0.0: 1 / (x - (-0.0)) is +inf where 1 / x is -inf."""
+  import jax.numpy as jnp
+  assert _verify_jax(lambda x: 1 / (x - jnp.float32(0.0)), lambda x: 1 / x).refines
+  assert not _verify_jax(lambda x: 1 / (x - jnp.float32(-0.0)), lambda x: 1 / x).refines
