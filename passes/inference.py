@@ -708,7 +708,10 @@ class RelationInference:
       return
     orders = [op.operands] if op.name == "subtract" else [op.operands, op.operands[::-1]]
     for s, other in orders:  # (0 - s is not s)
-      if self.splats.get(other.id) == identity and s.id not in self.splats:
+      c = self.splats.get(other.id)
+      if op.name == "subtract" and c is not None and math.copysign(1.0, c) < 0:
+        continue  # -0.0 - (-0.0) is +0.0: only s - (+0.0) is s bit for bit
+      if c == identity and s.id not in self.splats:
         for r in list(self.relations.get(s.id, [])):
           self.add_relation(op.results[0], Relation(r.cls, r.layout, f"{op.name}-identity"))
 

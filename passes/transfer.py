@@ -75,6 +75,12 @@ def _renamed(l: Layout, names: dict[str, str]) -> Layout:
                  filled=l.filled and (l.filled[0], rename(l.filled[1]), l.filled[2]))
 
 
+def _integer_max(dtype: str) -> int:
+  """The largest value of an integer dtype ("i8", "ui32", ...)."""
+  bits = int(dtype.lstrip("ui"))
+  return 2 ** bits - 1 if dtype.startswith("ui") else 2 ** (bits - 1) - 1
+
+
 def _flip_if_negative(l: Layout, c: float) -> Layout:
   """max_r(c * d_r) = c * min_r(d_r) when c < 0: the combine flips, too."""
   if c < 0 and l.partial_kind in ("max", "min"):
@@ -672,7 +678,7 @@ class Transfer:
         iota_v, off_v = off_v, iota_v
       if iota_v.producer.attrs.get("iota_dimension") != k:
         continue
-      tile = self._as_dtype(op.results[0], seq_type.dtype)
+      tile = self._as_dtype(op.results[0], seq_type.dtype, seq_type.shape[k])
       if tile is None:
         continue
       local = op.results[0].type.shape
@@ -695,14 +701,18 @@ class Transfer:
         continue
       yield self.deg.of(tile), Layout(tuple(dims))
 
-  def _as_dtype(self, v: ir.Value, dtype: str) -> Optional[ir.Value]:
+  def _as_dtype(self, v: ir.Value, dtype: str, length: int) -> Optional[ir.Value]:
     """``v``, or its convert to ``dtype`` when ``v`` holds integers and
     ``dtype`` is a float type: a float iota is its integer index converted
     (StableHLO's iota), so ``convert(iota + r*n)`` is its tile as the
-    integer one is (``jnp.arange(n) + offset`` then ``astype``)."""
+    integer one is (``jnp.arange(n) + offset`` then ``astype``), provided
+    the integers count to ``length - 1`` without wrapping (an int8 iota
+    plus 120 wraps to -128; the float iota does not)."""
     if v.type.dtype == dtype:
       return v
     if not (v.type.dtype.startswith(("i", "ui")) and dtype.startswith(("f", "bf"))):
+      return None
+    if length - 1 > _integer_max(v.type.dtype):
       return None
     return next((u.results[0] for u in self.users.get(self.deg.of(v), ())
                  if u.name == "convert" and u.results[0].type.dtype == dtype), None)

@@ -72,3 +72,20 @@ def test_gspmd():
   result = gg.verify(sequential, sequential, QKV, QKV, QKV, SEGMENTS, mesh=MESH,
                      in_specs=SPECS, out_specs=P(None, "cp"))
   assert result.refines, result
+
+
+@pytest.mark.parametrize("dtype, refines", [(jnp.int8, False), (jnp.int16, True)])
+def test_integer_positions_that_wrap_are_not_a_float_iota(dtype, refines):
+  """int8 positions 120 + 0..39 wrap to -128 at 128; the float iota counts
+  on (a helper audit's false proof)."""
+  length = 160
+  seq = lambda x: x * jnp.arange(length, dtype=jnp.float32)
+
+  def body(x):
+    n = length // 4
+    start = (jax.lax.axis_index("cp") * n).astype(dtype)
+    return x * (jnp.arange(n, dtype=dtype) + start).astype(jnp.float32)
+  dist = shard_map(body, mesh=MESH, in_specs=(P("cp"),), out_specs=P("cp"))
+  result = gg.verify(seq, dist, jax.ShapeDtypeStruct((length,), jnp.float32), mesh=MESH,
+                     in_specs=(P("cp"),))
+  assert result.refines == refines, result
