@@ -22,15 +22,10 @@ def _abstract_args(args: Sequence[Any], mesh, in_specs) -> list:
   of its argument's pytree, as ``shard_map`` reads them), that spec's."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec
-
-  def leaf(a, sharding=None):
-    sharding = sharding or getattr(a, "sharding", None)
-    if sharding is not None and not hasattr(sharding, "mesh"):
-      sharding = None
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+  from graphguard_hlo.lowering import abstract_args, abstract_value
 
   if in_specs is None:
-    return [jax.tree.map(leaf, a) for a in args]
+    return abstract_args(args, keep_sharding=True)
   if mesh is None:
     raise ValueError("in_specs needs mesh=")
   if len(in_specs) != len(args):
@@ -39,7 +34,7 @@ def _abstract_args(args: Sequence[Any], mesh, in_specs) -> list:
   for i, (spec, a) in enumerate(zip(in_specs, args)):
     def under(spec, subtree):
       sharding = NamedSharding(mesh, PartitionSpec() if spec is None else spec)
-      return jax.tree.map(lambda x: leaf(x, sharding), subtree)
+      return jax.tree.map(lambda x: abstract_value(x, sharding), subtree)
     try:
       out.append(jax.tree.map(under, spec, a, is_leaf=lambda s: s is None or isinstance(
           s, PartitionSpec)))

@@ -18,23 +18,28 @@ from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.xla_partition import partition_lowered
 
 
-def _abstract(args: Sequence[Any], keep_sharding: bool) -> list:
-  """``args`` (arrays or ``ShapeDtypeStruct``s, in pytrees) as abstract
-  values of the same structure: only shapes, dtypes and, with
-  ``keep_sharding``, named shardings are kept."""
+def abstract_value(a, sharding=None):
+  """An array (or ``ShapeDtypeStruct``) as an abstract value: its shape,
+  dtype and named sharding (``sharding``, or its own; one without a mesh,
+  a single device's, is dropped)."""
   import jax
+  if sharding is not None and not hasattr(sharding, "mesh"):
+    sharding = None
+  return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
-  def leaf(a):
-    sharding = getattr(a, "sharding", None) if keep_sharding else None
-    if sharding is not None and not hasattr(sharding, "mesh"):
-      sharding = None
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-  return [jax.tree.map(leaf, a) for a in args]
+
+def abstract_args(args: Sequence[Any], keep_sharding: bool) -> list:
+  """``args`` (arrays or ``ShapeDtypeStruct``s, in pytrees) as abstract
+  values of the same structure, with their named shardings if
+  ``keep_sharding``."""
+  import jax
+  own = (lambda a: getattr(a, "sharding", None)) if keep_sharding else (lambda a: None)
+  return [jax.tree.map(lambda x: abstract_value(x, own(x)), a) for a in args]
 
 
 def sequential_text(fn: Callable, *args) -> str:
   import jax
-  return jax.jit(fn, keep_unused=True).lower(*_abstract(args, False)).as_text(debug_info=True)
+  return jax.jit(fn, keep_unused=True).lower(*abstract_args(args, False)).as_text(debug_info=True)
 
 
 def lower_sequential(fn: Callable, *args, name: str = "<sequential>") -> ir.Module:
@@ -50,7 +55,7 @@ def lower_distributed(fn: Callable, *args, in_shardings=None, out_shardings=None
     kw["in_shardings"] = in_shardings
   if out_shardings is not None:
     kw["out_shardings"] = out_shardings
-  lowered = jax.jit(fn, **kw).lower(*_abstract(args, True))
+  lowered = jax.jit(fn, **kw).lower(*abstract_args(args, True))
   module = load_stablehlo(name, lowered.as_text(debug_info=True))
   # ``jax.jit(shard_map(f))`` inside this jit is a call of the manual
   # computation: inlined, it is read with its own mesh and axis names rather
