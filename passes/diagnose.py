@@ -21,7 +21,7 @@ from graphguard_hlo.passes.online_softmax import infinite_max_words
 from graphguard_hlo.passes.pieces import Pieces, partner_dim
 from graphguard_hlo.passes.sharding import group_axes
 from graphguard_hlo.passes.terms import freeze
-from graphguard_hlo.passes.transfer import ring_shift
+from graphguard_hlo.passes.transfer import integers_to_float, ring_shift
 
 
 def _dname(v: ir.Value) -> str:
@@ -181,10 +181,10 @@ def _scale_origin_words(inf, v: ir.Value, start, members: dict) -> str:
   if origin is None:
     return ""
   sid, r = off(origin)
+  scale = _scale_words(r.layout.scale, inf.mesh)
   return (f"; it is off by a factor since the per-device {_dname(origin)} at "
           f"{origin.producer.location}, where "
-          + _scale_words(r.layout.scale, inf.mesh).replace("the sequential one",
-                                                           f"the sequential {_seq_name(inf, sid)}", 1))
+          + scale.replace("the sequential one", f"the sequential {_seq_name(inf, sid)}", 1))
 
 
 def _axes_of_reordered_groups(op: ir.Op, mesh) -> Optional[tuple[str, ...]]:
@@ -752,16 +752,17 @@ def _iota_words(inf, op: ir.Op) -> Optional[str]:
   """A sequential iota (positions, a mask's rows) whose per-device tiles are
   missing: if the devices run iotas of a tile's length, they count from 0.
   An integer iota converted to the sequential float one counts alike."""
+  seq_iotas = _iotas_feeding(op)
+  if not seq_iotas:
+    return None
   offset = {id(v.producer) for add in inf.transfer.iota_adds for v in add.operands}
-  for seq_iota in _iotas_feeding(op):
+  unshifted = [d for d in inf.dist.graph.walk() if d.name == "iota" and id(d) not in offset]
+  for seq_iota in seq_iotas:
     t = seq_iota.results[0].type
     n_seq = t.shape[seq_iota.attrs["iota_dimension"]]
-    for d_op in inf.dist.graph.walk():
-      if d_op.name != "iota" or id(d_op) in offset:
-        continue
+    for d_op in unshifted:
       dtype = d_op.results[0].type.dtype
-      if dtype != t.dtype and not (dtype.startswith(("i", "ui"))
-                                   and t.dtype.startswith(("f", "bf"))):
+      if dtype != t.dtype and not integers_to_float(dtype, t.dtype):
         continue
       n = d_op.results[0].type.shape[d_op.attrs["iota_dimension"]]
       if n < n_seq and n_seq % n == 0:

@@ -38,7 +38,7 @@ import sympy
 
 from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, rotated_axis
-from graphguard_hlo.reference import COMPARISONS
+from graphguard_hlo.reference import COMPARISONS, is_integer_type, type_bounds
 from graphguard_hlo.passes.dist_egraph import DistEGraph, op_users
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import (RankArithmetic, broadcast_scalar,
@@ -75,10 +75,11 @@ def _renamed(l: Layout, names: dict[str, str]) -> Layout:
                  filled=l.filled and (l.filled[0], rename(l.filled[1]), l.filled[2]))
 
 
-def _integer_max(dtype: str) -> int:
-  """The largest value of an integer dtype ("i8", "ui32", ...)."""
-  bits = int(dtype.lstrip("ui"))
-  return 2 ** bits - 1 if dtype.startswith("ui") else 2 ** (bits - 1) - 1
+def integers_to_float(src: str, dst: str) -> bool:
+  """Is ``dst`` a float type and ``src`` an integer one (not a boolean)?  A
+  float iota is its integer index converted (StableHLO's iota), so an
+  integer iota converted to ``dst`` counts as one of ``dst``."""
+  return is_integer_type(src) and src not in ("pred", "i1") and dst.startswith(("f", "bf"))
 
 
 def _flip_if_negative(l: Layout, c: float) -> Layout:
@@ -710,9 +711,7 @@ class Transfer:
     plus 120 wraps to -128; the float iota does not)."""
     if v.type.dtype == dtype:
       return v
-    if not (v.type.dtype.startswith(("i", "ui")) and dtype.startswith(("f", "bf"))):
-      return None
-    if length - 1 > _integer_max(v.type.dtype):
+    if not integers_to_float(v.type.dtype, dtype) or length - 1 > type_bounds(v.type.dtype)[1]:
       return None
     return next((u.results[0] for u in self.users.get(self.deg.of(v), ())
                  if u.name == "convert" and u.results[0].type.dtype == dtype), None)

@@ -27,6 +27,7 @@ from graphguard_hlo import ir
 from graphguard_hlo.errors import InputError
 from graphguard_hlo.loaders.gather_spec import gather_violation
 from graphguard_hlo.loaders.stablehlo import _canonicalize
+from graphguard_hlo.reference import is_integer_type
 
 # --------------------------------------------------------------------------- tokens
 
@@ -1803,7 +1804,7 @@ class _Importer:
       if problem is None and operands[0].type.dtype != shp.ir_type().dtype:  # (C23)
         problem = f"the result's element type {shp.dtype} is not the operand's"
       index_type = operands[1].type.dtype
-      if problem is None and not index_type.startswith(("i", "ui")):  # (pred is "pred")
+      if problem is None and (not is_integer_type(index_type) or index_type == "pred"):
         problem = f"start indices must be integers, not {index_type}"  # (I2)
       if problem is not None:
         fail(problem)
