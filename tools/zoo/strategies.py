@@ -972,6 +972,11 @@ class _Strategy:
   relation: Optional[str] = None        # the inputs' relation file, if not the specs'
   weight_axis: Optional[str] = None     # the axis FSDP shards and gathers weights over
 
+  @property
+  def weight_shards(self) -> int:
+    """How many shards ``weight_axis`` cuts a weight into."""
+    return self.mesh_shape[self.axis_names.index(self.weight_axis)]
+
 
 _STRATEGIES = {s.name: s for s in [
     _Strategy("dp", (4,), ("dp",), P("dp", None), _no_param_specs, _dp_par,
@@ -1480,7 +1485,7 @@ HSDP = _Strategy("hsdp", (2, 4), ("dp", "fsdp"), P(("dp", "fsdp"), None), _no_pa
 
 def _fsdp_spec(shape, strategy: _Strategy = FSDP) -> P:
   """Split on the leading dim over the strategy's weight axis, if it divides."""
-  n = strategy.mesh_shape[strategy.axis_names.index(strategy.weight_axis)]
+  n = strategy.weight_shards
   return P(strategy.weight_axis, *([None] * (len(shape) - 1))) \
       if shape and shape[0] % n == 0 else P(*([None] * len(shape)))
 
@@ -1502,6 +1507,7 @@ FSDP_TP = _Strategy("fsdp_tp", (2, 4), ("dp", "tp"), P("dp", None), _tp_param_sp
 
 
 def _hsdp_tp_par():
+  """Megatron TP, the loss averaged over both data axes."""
   return _tp_par(combine=_pmean_of_mean(("dp", "fsdp")))
 
 
@@ -1514,7 +1520,7 @@ HSDP_TP = _Strategy("hsdp_tp", (2, 2, 2), ("dp", "fsdp", "tp"), P(("dp", "fsdp")
 
 def _fsdp_tp_specs(model, cfg, strategy: _Strategy = FSDP_TP) -> tuple:
   axis = strategy.weight_axis
-  n = strategy.mesh_shape[strategy.axis_names.index(axis)]
+  n = strategy.weight_shards
   specs = []
   for name, shape in param_specs(model, cfg):
     lead = 1 if is_stacked(name) else 0
@@ -1542,7 +1548,7 @@ def _fsdp_tp_case(model, cfg, variant="ok", wrong_dim=False, bug=None, bug_primi
   label = _ident(model, strategy.name, "grad" if grad else variant)
   local = loss_fn(model, cfg, strategy.par(), name=label)
   axis = strategy.weight_axis
-  n = strategy.mesh_shape[strategy.axis_names.index(axis)]
+  n = strategy.weight_shards
 
   def gather(p, spec):
     if axis not in spec:
@@ -1993,10 +1999,11 @@ def _build(cfg: Config, grad: bool) -> tuple[Case, ...]:
   # With scanned layers (shard_map: each layer's weights gathered inside the
   # scanned layer), and x TP on 2 x 2 x 2.
   for model in MODELS:
-    for strategy, tp in ((HSDP, False), (_scanned(HSDP), False), (HSDP_TP, True)):
+    for strategy in (HSDP, _scanned(HSDP), HSDP_TP):
       scan = strategy.name.endswith("_scan")
       for grad_step in (False, True) if grad else (False,):
-        built.append(_fsdp_tp_case(model, cfg, grad=grad_step, strategy=strategy) if tp else
+        built.append(_fsdp_tp_case(model, cfg, grad=grad_step, strategy=strategy)
+                     if strategy is HSDP_TP else
                      _fsdp_case(model, cfg, scan=scan, grad=grad_step, strategy=HSDP))
         built.append((_grad_case if grad_step else _gspmd_case)(model, strategy, cfg))
   for model, grad_step in (("gpt2", False), ("llama3", grad)):
