@@ -498,7 +498,10 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
   if name == "dynamic_update_slice":
     return dynamic_update_slice(xs[0], xs[1], xs[2:])
   if name == "constant":
-    return np.broadcast_to(np.asarray(attrs["value"]), result_type.shape).copy()
+    value = np.asarray(attrs["value"])
+    if is_integer_type(result_type.dtype):
+      value = cast(value, result_type.dtype)  # loaders may hold i32 in int64: wrap as i32 does
+    return np.broadcast_to(value, result_type.shape).copy()
   if name == "concatenate":
     return np.concatenate(xs, axis=attrs["dimension"])
   if name == "pad":

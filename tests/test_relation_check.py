@@ -131,3 +131,20 @@ def test_interpreter_agrees_with_jax():
   out = Interpreter(4).run(program.graph, local)[program.graph.results[0].id]
   for r in range(4):
     np.testing.assert_allclose(out[r], want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.uint32])
+def test_interpreter_wraps_integers_as_xla_does(dtype):
+  """A lowered program's integer constants are held at their own type, so
+  arithmetic near the top of the type wraps in the interpreter as in XLA
+  (the relation check would otherwise compute a position or an offset that
+  the devices never see)."""
+  from graphguard_hlo.lowering import lower_sequential
+  top = np.iinfo(dtype).max
+
+  def fn(i):
+    return (i + dtype(3)) * dtype(5)
+  i = np.array([top - 1, top // 2, 7], dtype)
+  g = lower_sequential(fn, i).main
+  got = Interpreter(1).run(g, [[i]])[g.results[0].id][0]
+  np.testing.assert_array_equal(got, np.asarray(jax.jit(fn)(i)))
