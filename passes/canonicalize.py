@@ -30,6 +30,7 @@ before anything is compared:
   add of zero pads into adjacent slabs    -> pad(concat(..)) (slabs.py)
   x.at[i].set(u), i constant, x slabs     -> pad(concat(..)) (slabs.py)
   reshape(x)[i], the reshape splitting k  -> reshape(x[i*n:(i+1)*n]) (slabs.py)
+     (i traced too: a dynamic_slice at clamp(i) * n)
   reshape(concat_k) merging k and k + 1   -> concat_k(reshapes) (slabs.py)
   gather of one window, constant start    -> reshape(slice) (slabs.py)
   slice(x.at[i].set(u)) missing row i     -> slice(x) (slabs.py)
@@ -637,6 +638,7 @@ _SLAB_RULES = {"add": (slabs.sum_of_slabs,),
                          slabs.slice_of_slabs, slabs.slice_of_select),
                "reshape": (slabs.reshape_of_concatenation, slabs.unit_reshape_of_select),
                "gather": (slabs.gather_one_window, slabs.gather_of_one_window),
+               "dynamic_slice": (slabs.dynamic_slice_of_split_reshape,),
                "select": (slabs.select_of_slabs,)}
 
 

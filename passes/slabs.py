@@ -369,6 +369,36 @@ def slice_of_split_reshape(module, graph, op, fresh, place, emit) -> Optional[ir
   return emit(module, graph, op, "reshape", [place(rows)], {})
 
 
+def dynamic_slice_of_split_reshape(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
+  """dynamic_slice(reshape(x), .., i, j, ..), the reshape splitting x's dim k
+  into (m, n) and the window taking s of the m whole n
+  -> reshape(dynamic_slice(x, .., clamp(0, i, m - s) * n, ..)): the same
+  elements in the same order (``x.reshape(ranks, -1)[axis_index]``, each
+  rank reading its own rows).  ``i`` is clamped first as the slice clamps
+  it, so the product stays within x's dim, which must fit the index type."""
+  if op.name != "dynamic_slice" or not _is_reshape(op.operands[0].producer):
+    return None
+  r, *starts = op.operands
+  x = r.producer.operands[0]
+  k = _split_dim(x.shape, r.shape)
+  sizes = tuple(op.attrs["slice_sizes"])
+  if k is None or sizes[k + 1] != r.shape[k + 1]:
+    return None
+  dtype = starts[k].type.dtype
+  bounds = reference.type_bounds(dtype)
+  if not reference.is_integer_type(dtype) or bounds is None or x.shape[k] > bounds[1]:
+    return None
+  m, n, s = r.shape[k], r.shape[k + 1], sizes[k]
+  cut = lambda value: constant(module, fresh, place, value, dtype, op.location)
+  row = place(fresh(module, "clamp", [cut(0), starts[k], cut(m - s)], {}, (), dtype,
+                    op.location))
+  start = place(fresh(module, "multiply", [row, cut(n)], {}, (), dtype, op.location))
+  window = sizes[:k] + (s * n,) + sizes[k + 2:]
+  rows = place(fresh(module, "dynamic_slice", [x, *starts[:k], start, *starts[k + 2:]],
+                     {"slice_sizes": window}, window, x.type.dtype, op.location))
+  return emit(module, graph, op, "reshape", [rows], {})
+
+
 def reshape_of_concatenation(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
   """reshape(concat_k(xs)) merging dims k and k+1 -> concat_k of each x merged
   alike (the microbatches' outputs put back into one batch)."""

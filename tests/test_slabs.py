@@ -497,3 +497,64 @@ def test_a_gather_hlo_text_spells_outside_stablehlo_keeps_its_value(name, monkey
   before = run()
   canonicalize_module(m)
   np.testing.assert_array_equal(run(), before)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.data())
+def test_rows_picked_from_a_split_reshape_at_a_traced_index_are_a_dynamic_slice(data):
+  """``x.reshape(..., m, n, ...)`` cut at a traced row of the m (each rank
+  reading its own rows, ``x.reshape(ranks, -1)[axis_index]``) reads x's own
+  rows: the same numbers, the index drawn past both ends (both clamp) and
+  far enough that the row's offset would wrap unclamped, and the window then
+  cuts x itself."""
+  import jax
+  from jax import lax
+  rank = data.draw(st.integers(1, 3))
+  shape = [data.draw(st.integers(1, 4)) for _ in range(rank)]
+  k = data.draw(st.integers(0, rank - 1))
+  m, n = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
+  shape[k] = m * n
+  split = shape[:k] + [m, n] + shape[k + 1:]
+  sizes = [data.draw(st.integers(1, d)) for d in split]
+  sizes[k + 1] = n
+  far = st.sampled_from([2**31 - 1, 2**30 + 1, -2**31])  # i * n would wrap
+  starts = np.array([data.draw(st.integers(-2, d + 1) | far) for d in split], np.int32)
+  x = np.random.default_rng(rank).standard_normal(shape).astype(np.float32)
+
+  def fn(x, starts):
+    return lax.dynamic_slice(x.reshape(split), tuple(starts), sizes)
+  m_, g = _lowered(fn, x, starts)
+  before = _interpret(g, [x, starts])
+  canonicalize_module(m_)
+  np.testing.assert_array_equal(before[0], _interpret(g, [x, starts])[0])
+  (cut,) = [op for op in g.walk() if op.name == "dynamic_slice"]
+  assert cut.operands[0] is g.params[0], "the window should cut x itself"
+
+
+def test_rows_picked_from_the_minor_part_of_a_split_are_left_alone():
+  """``x.reshape(m, n)[:, i]`` takes every n-th element: strided, not a window of x."""
+  import jax
+  from jax import lax
+  x = np.arange(12, dtype=np.float32)
+
+  def fn(x, i):
+    return lax.dynamic_slice(x.reshape(3, 4), (0, i), (3, 1))
+  names = _same_after_canonicalizing(fn, x, np.int32(2))
+  assert "reshape" in names and "dynamic_slice" in names
+  m_, g = _lowered(fn, x, np.int32(2))
+  canonicalize_module(m_)
+  (cut,) = [op for op in g.walk() if op.name == "dynamic_slice"]
+  assert cut.operands[0] is not g.params[0]
+
+
+@pytest.mark.parametrize("row", [2**31 - 1, 2**30 + 1, -2**31, -1, 5])
+def test_a_row_far_past_the_end_is_clamped_before_it_is_scaled(row):
+  """Row 2**31 - 1 of ``x.reshape(4, 3)`` is the last row (the slice clamps
+  it); scaled by 3 unclamped it would wrap to a negative offset, row 0."""
+  from jax import lax
+  x = np.arange(12, dtype=np.float32)
+
+  def fn(x, i):
+    return lax.dynamic_slice(x.reshape(4, 3), (i, 0), (1, 3))
+  names = _same_after_canonicalizing(fn, x, np.int32(row))
+  assert "reshape" not in names  # the window cuts x itself
