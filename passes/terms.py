@@ -48,20 +48,44 @@ def attrs_key(attrs: dict[str, Any]) -> Hashable:
 
 
 def region_fingerprint(g: ir.Graph) -> Hashable:
-  """A structural hash of a region: equal for alpha-equivalent bodies."""
+  """A structural hash of a region: equal for alpha-equivalent bodies, in
+  whatever order their ops are listed (jax and XLA's partitioner list an
+  argmax's reducer in two orders).  The ops are numbered in a depth-first
+  walk from the results, operands in order, so the numbering is the DAG's
+  own; ops that reach no result compute nothing it returns and are left out."""
   kind = reducer_kind(g)
   if kind is not None:
     return ("reducer", kind, tuple(p.type for p in g.params))
-  index: dict[int, tuple] = {id(p): ("arg", i) for i, p in enumerate(g.params)}
-  ops = []
-  for j, op in enumerate(g.ops):
-    operands = tuple(index.get(id(v), ("free", v.id)) for v in op.operands)
-    ops.append((op.name, attrs_key(op.attrs), operands, tuple(r.type for r in op.results),
-                tuple(region_fingerprint(r) for r in op.regions)))
-    for k, r in enumerate(op.results):
-      index[id(r)] = ("op", j, k)
-  return ("region", tuple(p.type for p in g.params), tuple(ops),
-          tuple(index.get(id(v), ("free", v.id)) for v in g.results))
+  args = {id(p): ("arg", i) for i, p in enumerate(g.params)}
+  numbered: dict[int, int] = {}  # id(op) -> its place in the walk
+  entries: list[tuple] = []
+
+  def ref(v: ir.Value) -> tuple:
+    if id(v) in args:
+      return args[id(v)]
+    op = v.producer
+    if op is None or id(op) not in numbered:
+      return ("free", v.id)
+    return ("op", numbered[id(op)], op.results.index(v))
+
+  inside = {id(op) for op in g.ops}
+  for root in g.results:
+    stack = [(root.producer, False)] if root.producer is not None else []
+    while stack:  # an explicit stack: loop bodies may be long chains
+      op, expanded = stack.pop()
+      if id(op) in numbered or id(op) not in inside:
+        continue
+      if not expanded:
+        stack.append((op, True))
+        stack.extend((v.producer, False) for v in reversed(op.operands)
+                     if v.producer is not None and id(v.producer) not in numbered)
+        continue
+      entries.append((op.name, attrs_key(op.attrs), tuple(ref(v) for v in op.operands),
+                      tuple(r.type for r in op.results),
+                      tuple(region_fingerprint(r) for r in op.regions)))
+      numbered[id(op)] = len(entries) - 1
+  return ("region", tuple(p.type for p in g.params), tuple(entries),
+          tuple(ref(v) for v in g.results))
 
 
 def op_head(name: str, attrs: dict[str, Any], result_type: ir.TensorType,
