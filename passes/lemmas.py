@@ -392,16 +392,25 @@ def _iota(op: SeqOp, ls: Sequence[Layout]):
 
 def _reduce(op: SeqOp, ls: Sequence[Layout]):
   """reduce_+(concat[x](a_r, k), k) = sum[x](reduce_+(a_r, k)); likewise max/min.
-  The init operands must be the reduction's identity (checked by the caller,
+  A variadic reduce (argmax) over untiled dims of operands tiled alike is the
+  reduce of the tiles.  The init operands must be the reduction's identity (checked by the caller,
   which knows their values) and are not tiled."""
   n = len(ls) // 2
-  if n != 1:
-    return
   a = ls[0]
   if any(not l.is_full_replica() or not l.is_clean() for l in ls[n:]):
     return  # every rank adds its own init: it must be the same whole value
   kind = op.attrs.get("gg.reduction")
   dims = op.attrs["dimensions"]
+  if n != 1:
+    # Variadic (argmax's values and indices): each rank reduces whole rows of
+    # its tile, element for element the operands' same rows, with any reducer.
+    if any(l != a for l in ls[1:n]) or a.partial or not a.is_clean() \
+        or any(a.dims[d] for d in dims):
+      return
+    out = Layout(tuple(a.dims[d] for d in range(a.rank) if d not in dims))
+    if out.is_valid():
+      yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, out
+    return
   # Summed over every rank of an axis, its turn does not matter.
   reduced_axes = tuple(axis_base(x) for d in dims for x in a.dims[d])
   kept = tuple(a.dims[d] for d in range(a.rank) if d not in dims)
