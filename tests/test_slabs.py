@@ -507,7 +507,6 @@ def test_rows_picked_from_a_split_reshape_at_a_traced_index_are_a_dynamic_slice(
   rows: the same numbers, the index drawn past both ends (both clamp) and
   far enough that the row's offset would wrap unclamped, and the window then
   cuts x itself."""
-  import jax
   from jax import lax
   rank = data.draw(st.integers(1, 3))
   shape = [data.draw(st.integers(1, 4)) for _ in range(rank)]
@@ -533,7 +532,6 @@ def test_rows_picked_from_a_split_reshape_at_a_traced_index_are_a_dynamic_slice(
 
 def test_rows_picked_from_the_minor_part_of_a_split_are_left_alone():
   """``x.reshape(m, n)[:, i]`` takes every n-th element: strided, not a window of x."""
-  import jax
   from jax import lax
   x = np.arange(12, dtype=np.float32)
 
