@@ -369,20 +369,40 @@ def slice_of_split_reshape(module, graph, op, fresh, place, emit) -> Optional[ir
   return emit(module, graph, op, "reshape", [place(rows)], {})
 
 
+def _of_the_rank_alone(v: ir.Value, limit: int = 64) -> bool:
+  """Is ``v`` computed from the partition id and constants only (a few ops)?"""
+  seen, stack, rank = set(), [v], False
+  while stack:
+    u = stack.pop()
+    if u.id in seen:
+      continue
+    seen.add(u.id)
+    p = u.producer
+    if p is None or p.regions or len(seen) > limit:
+      return False
+    rank |= p.name in ("partition_id", "replica_id")
+    stack.extend(p.operands)
+  return rank
+
+
 def dynamic_slice_of_split_reshape(module, graph, op, fresh, place, emit) -> Optional[ir.Value]:
   """dynamic_slice(reshape(x), .., i, j, ..), the reshape splitting x's dim k
   into (m, n) and the window taking s of the m whole n
   -> reshape(dynamic_slice(x, .., clamp(0, i, m - s) * n, ..)): the same
   elements in the same order (``x.reshape(ranks, -1)[axis_index]``, each
   rank reading its own rows).  ``i`` is clamped first as the slice clamps
-  it, so the product stays within x's dim, which must fit the index type."""
+  it, so the product stays within x's dim, which must fit the index type.
+
+  Only where ``i`` is computed from the rank alone: a pipeline's row of a
+  stage's buffer at step t - s keeps its spelling, which ``rank_cases.py``
+  reads."""
   if op.name != "dynamic_slice" or not _is_reshape(op.operands[0].producer):
     return None
   r, *starts = op.operands
   x = r.producer.operands[0]
   k = _split_dim(x.shape, r.shape)
   sizes = tuple(op.attrs["slice_sizes"])
-  if k is None or sizes[k + 1] != r.shape[k + 1]:
+  if k is None or sizes[k + 1] != r.shape[k + 1] or not _of_the_rank_alone(starts[k]):
     return None
   dtype = starts[k].type.dtype
   bounds = reference.type_bounds(dtype)
