@@ -10,6 +10,7 @@ from graphguard_hlo.passes.dist_program import DistProgram, canonicalize_dist, n
 from graphguard_hlo.passes.canonicalize import (UNROLLED_RING_PATTERNS, canonicalize_graph,
                                                 canonicalize_module)
 from graphguard_hlo.passes.transfer import ring_axes
+from graphguard_hlo.passes.conditionals import select_conditionals
 from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.passes.loop_split import split_layer_loops, trip_counts
 from graphguard_hlo.passes.microbatch_loops import split_microbatch_loops
@@ -32,6 +33,7 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
         text = f.read()
     dist = partition_stablehlo_text(dist.path, text, num_partitions or dist.num_partitions)
     inline_calls(dist)
+  select_conditionals(dist)
   # A ring written as a fori_loop or scan over its steps reads as the Python
   # loop it replaces (ring_loops.py): the sequential program has no loop to
   # prove it against by induction.
@@ -55,6 +57,7 @@ def prepare_seq(seq: ir.Module, program: Optional[DistProgram] = None) -> ir.Mod
   """``program``: the per-device program it is checked against, prepared
   first (its rings ask for the ring forms here too)."""
   inline_calls(seq)
+  select_conditionals(seq)
   rings = bool(program is not None and program.rings)
   extra = UNROLLED_RING_PATTERNS if program is not None and program.unrolled_ring_loops else ()
   canonicalize_module(seq, rings=rings, extra=extra)

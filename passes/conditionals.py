@@ -1,0 +1,94 @@
+"""Conditionals as selects: ``lax.cond``, ``lax.switch`` and the optimizers
+built on them (``optax.apply_if_finite``, ``optax.MultiSteps``) in one flat graph.
+
+A ``case`` runs one of its branches; run all of them and pick one result with
+``select``, and the values are the same whenever the branches only compute
+values::
+
+  case(i, {b_0}, .., {b_n-1})  ->  select(i == 0, b_0, select(i == 1, b_1, .. b_n-1))
+  if(p, {t}, {f})              ->  select(p, t, f)
+
+(an index out of range runs the last branch, as the chain picks it).  Relation
+inference then goes through the branches' ops and the selects as through any
+others: no rule of its own for regions that capture values.
+
+Only branches without effects or collectives are rewritten.  A collective in a
+branch taken on some ranks only is not the collective of all ranks that the
+select form would run; such a conditional stays, opaque.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphguard_hlo import ir, reference
+from graphguard_hlo.passes.collectives import COLLECTIVES
+
+_CONDITIONALS = ("case", "if")
+_NOT_VALUES = set(COLLECTIVES) | {"custom_call", "outfeed", "infeed", "send", "recv", "rng",
+                                  "rng_bit_generator", "collective_broadcast"}
+
+
+def select_conditionals(module: ir.Module) -> int:
+  """Rewrite every pure conditional of ``module`` in place; returns how many."""
+  return sum(_rewrite(module, g) for g in module.functions.values())
+
+
+def _only_values(op: ir.Op) -> bool:
+  """Do ``op``'s branches compute values only (and capture nothing by parameter)?"""
+  return all(not r.params and all(o.name not in _NOT_VALUES for o in r.walk())
+             for r in op.regions)
+
+
+def _rewrite(module: ir.Module, g: ir.Graph) -> int:
+  count = 0
+  ops: list[ir.Op] = []
+  replace: dict[int, ir.Value] = {}
+  for op in g.ops:
+    op.operands = [replace.get(v.id, v) for v in op.operands]
+    for region in op.regions:
+      count += _rewrite(module, region)
+    if op.name not in _CONDITIONALS or not _only_values(op) or not op.regions:
+      ops.append(op)
+      continue
+    for region in op.regions:
+      for inner in region.walk():  # branches read values replaced above
+        inner.operands = [replace.get(v.id, v) for v in inner.operands]
+      ops.extend(region.ops)
+    picks = _picks(module, op, ops)
+    for j, r in enumerate(op.results):
+      branch_results = [replace.get(b.results[j].id, b.results[j]) for b in op.regions]
+      value = branch_results[-1]
+      for pick, chosen in reversed(list(zip(picks, branch_results))):
+        value = _op(module, ops, "select", [pick, chosen, value], {}, r.type, op.location)
+      replace[r.id] = value
+    count += 1
+  g.ops = ops
+  g.results = [replace.get(v.id, v) for v in g.results]
+  if replace:
+    for op in g.walk():
+      op.operands = [replace.get(v.id, v) for v in op.operands]
+  return count
+
+
+def _picks(module: ir.Module, op: ir.Op, ops: list[ir.Op]) -> list[ir.Value]:
+  """The predicates choosing branch 0, 1, .. n-2 (the last takes the rest)."""
+  index = op.operands[0]
+  if op.name == "if":
+    return [index]
+  pred = ir.TensorType((), "pred")
+  picks = []
+  for k in range(len(op.regions) - 1):
+    at = _op(module, ops, "constant", [], {"value": reference.constant_array(
+        np.array(k), index.type.dtype)}, index.type, op.location)
+    picks.append(_op(module, ops, "compare", [index, at], {"comparison_direction": "EQ"},
+                     pred, op.location))
+  return picks
+
+
+def _op(module: ir.Module, ops: list[ir.Op], name: str, operands, attrs,
+        result_type: ir.TensorType, location: ir.Location) -> ir.Value:
+  new = ir.Op(name, list(operands), attrs, [], location)
+  new.results = [module.new_value(result_type, new, 0)]
+  ops.append(new)
+  return new.results[0]
