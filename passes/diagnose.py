@@ -310,11 +310,14 @@ def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
       c = inf.deg.of(dv)
       if c in related:
         lay = related[c].layout
-        if not lay.is_clean():
-          notes.append(f"{_dname(dv)}, where {_scale_words(lay.scale, inf.mesh)}")
-        elif lay.partial:
+        if lay.partial:  # (its scale is each rank's share: a pmean's 1/n, say)
           kind = "sum" if lay.partial_kind == "sum" else lay.partial_kind + "imum"
-          notes.append(f"{_dname(dv)}, a partial {kind} over {_axes(lay.partial)}")
+          notes.append(f"{_dname(dv)}, a partial {kind} over {_axes(lay.partial)} never "
+                       "reduced (missing all-reduce)")
+        elif not lay.is_clean():
+          notes.append(f"{_dname(dv)}, where {_scale_words(lay.scale, inf.mesh)}")
+      elif (other := _other_constant(inf, op, dv)) is not None:
+        notes.append(other)
       elif dv.producer is not None and inf.deg.splat(c) is None:  # (constants match)
         if seq_of is None:
           seq_of = _seq_values_by_class(inf)
@@ -323,6 +326,26 @@ def _counterpart_words(inf, op: ir.Op) -> Optional[str]:
     if notes:
       return f"the per-device {op.name} at {d_op.location} reads " + "; ".join(notes)
   return None
+
+
+def _other_constant(inf, op: ir.Op, dv: ir.Value) -> Optional[str]:
+  """'%b, the constant 4 where the sequential op reads 1 (|dp| = 4 times ...)':
+  the per-device op reads a splat and ``op`` another, as where autodiff of a
+  psum under shard_map with ``check_vma=False`` seeds the cotangent with
+  the axis size instead of ones."""
+  mine = inf.deg.splat(inf.deg.of(dv))
+  theirs = {inf.splats[v.id] for v in op.operands if v.id in inf.splats}
+  if mine is None or len(theirs) != 1 or mine in theirs:
+    return None
+  (want,) = theirs
+  words = f"{_dname(dv)}, the constant {mine:g} where the sequential {op.name} reads {want:g}"
+  if want and np.isfinite(mine / want):
+    named = [f"|{a}| = {n}" for a, n in inf.mesh.axes
+             if n > 1 and scales_equal(mine / want, float(n))]
+    if named:
+      words += (f" ({' or '.join(named)} times: a cotangent summed over the ranks, as "
+                "autodiff of a psum under shard_map with check_vma=False seeds it?)")
+  return words
 
 
 def _seq_values_by_class(inf) -> dict:

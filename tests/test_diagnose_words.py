@@ -134,3 +134,31 @@ def test_an_uneven_sharding_is_not_proved_and_each_ranks_columns_are_shown():
   assert not result.refines, words
   assert "rank by rank it holds, at a0 = 0: %2[0:8, 0:8] at [0:8, 0:8]" in words, words
   assert "at a0 = 3: %2[0:8, 24:30] at [0:8, 0:6], zeros elsewhere" in words, words
+
+
+def _tensor_parallel_grad(check_vma):
+  """Megatron's MLP, its summed output's gradient taken inside shard_map."""
+  mesh = mesh_of((4,), ("tp",))
+  specs = (P(), P(None, "tp"), P("tp", None))
+
+  def loss(x, w1, w2):
+    return (jnp.tanh(x @ w1) @ w2).sum()
+
+  def local(x, w1, w2):
+    return lax.psum((jnp.tanh(x @ w1) @ w2).sum(), "tp")
+  dist = shard_map(jax.grad(local, argnums=(1, 2)), mesh=mesh, in_specs=specs,
+                   out_specs=(P(None, "tp"), P("tp", None)), check_vma=check_vma)
+  args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((8, 16), (16, 32), (32, 16))]
+  return verify(jax.grad(loss, argnums=(1, 2)), dist, *args, mesh=mesh, in_specs=specs)
+
+
+def test_a_psum_transposed_without_check_vma_is_named_by_its_constant():
+  """Without ``check_vma`` the psum's transpose is a psum: the cotangent is
+  seeded with 4 where the sequential program's is 1 (JAX's shard_map docs'
+  own warning).  The report names the constant and the axis."""
+  assert _tensor_parallel_grad(check_vma=True).refines
+  result = _tensor_parallel_grad(check_vma=False)
+  assert not result.refines
+  assert result.failure.op_name == "dot_general"
+  assert "the constant 4 where the sequential dot_general reads 1 (|tp| = 4 times" \
+      in result.failure.diagnosis, result.failure.diagnosis

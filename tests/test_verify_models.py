@@ -217,7 +217,8 @@ _DIAGNOSES: dict[str, str] = {
         "which relates to no sequential value: it is a add of %maximum",
     "llama3/tp_scan/shard_map/missing_allreduce": "(missing all-reduce)",
     "llama3/tp_scan_remat_grad/shard_map/missing_allreduce": "(missing all-reduce)",
-    "gpt2/tp_grad/shard_map/double_counted_grad": "psum where pmean belongs?",
+    "gpt2/tp_grad/shard_map/double_counted_grad": "so summed over those ranks it is counted "
+                                                  "4 times",
     "gpt2/dp_grad/shard_map/grad_not_allreduced": "never reduced (missing all-reduce)",
     "llama3/dp_grad/shard_map/grad_not_allreduced": "never reduced (missing all-reduce)",
     "llama3/dp_tp_adamw/shard_map/norm_counts_replicas": "so summed over those ranks it "
