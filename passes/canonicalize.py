@@ -823,6 +823,24 @@ UNROLLED_RING_PATTERNS: tuple[Pattern, ...] = (
     _permute_of_zeros, _scalar_of_constants, _logic_with_constant, _reduction_of_zeros)
 
 
+def _self_comparison(module, graph, op) -> Optional[ir.Value]:
+  """compare(x, x) of integers or booleans -> its constant answer.  XLA drops
+  the NaN test ``x != x`` from an argmax's reducer over booleans (jnp.select's
+  conditions); jax keeps it.  (Not for floats: NaN != NaN.)"""
+  if op.name != "compare" or len(op.operands) != 2 or op.operands[0] is not op.operands[1] \
+      or not reference.is_integer_type(op.operands[0].type.dtype):
+    return None
+  import numpy as np
+  holds = op.attrs.get("comparison_direction") in ("EQ", "LE", "GE")
+  return _emit(module, graph, op, "constant", [], {"value": reference.constant_array(
+      np.full(op.results[0].shape, holds), op.results[0].type.dtype)})
+
+
+# Inside a reducer's body (an argmax's), where XLA simplifies what jax wrote.
+REDUCER_PATTERNS: tuple[Pattern, ...] = (_self_comparison, _logic_with_constant)
+_REDUCERS = ("reduce", "reduce_window", "scatter")
+
+
 def _emit(module, graph, op, name, operands, attrs) -> ir.Value:
   """A new op (not yet placed in the graph) standing for ``op``'s result."""
   new = ir.Op(name, operands, attrs, [], op.location)
@@ -856,8 +874,9 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph, rings: bool = False,
       replace.update((r.id, x) for r, x in zip(op.results, op.operands))
       rewrites += 1
       continue
+    inner = extra + (REDUCER_PATTERNS if op.name in _REDUCERS else ())
     for region in op.regions:
-      rewrites += canonicalize_graph(module, region, rings, extra)
+      rewrites += canonicalize_graph(module, region, rings, inner)
     current = op
     final = None
     while len(current.results) == 1:

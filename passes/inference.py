@@ -196,6 +196,11 @@ def _laid_out_alike(operands: list[ir.Value], choices: list[list]):
 
 
 
+# Ops whose splat operands take their neighbours' tiling: elementwise ops, and
+# a concatenation (jnp.select stacks its conditions with a splat of false).
+_ADOPTING = ELEMENTWISE | {"concatenate"}
+
+
 def _splat_tiled(op_name: str, k: int) -> bool:
   """May operand k of the op, a splat, take a tiling the per-device program
   holds it as a splat in?  A scatter's base (zeros of a table split by rows)
@@ -831,7 +836,7 @@ class RelationInference:
         out.append((r, l))
         continue
       if r == "splat":
-        if op.name in ELEMENTWISE and model is not None and v.type.rank == model.rank:
+        if op.name in _ADOPTING and model is not None and v.type.rank == model.rank:
           l = Layout(model.dims)
         else:
           l = Layout.replicated(v.type.rank)

@@ -480,3 +480,30 @@ def test_optimization_barrier_passes_its_operands_through():
   canonicalize_graph(m, g)
   assert [op.name for op in g.ops] == ["negate"]
   assert g.ops[0].operands[0] is g.params[0] and g.results[1] is g.params[1]
+
+
+@pytest.mark.parametrize("direction, holds", [("EQ", True), ("NE", False), ("LT", False),
+                                               ("LE", True), ("GT", False), ("GE", True)])
+@pytest.mark.parametrize("dtype", ["i32", "pred", "ui8"])
+def test_an_integer_compared_with_itself_in_a_reducer_is_its_answer(direction, holds, dtype):
+  from graphguard_hlo.passes.canonicalize import REDUCER_PATTERNS
+  m, g = _graph([_t(dtype=dtype)])
+  x = g.params[0]
+  c = _op(m, g, "compare", [x, x], _t(dtype="pred"), comparison_direction=direction)
+  g.results = [_op(m, g, "or", [c, c], _t(dtype="pred"))]
+  values = {"i32": np.int32(-7), "pred": np.bool_(True), "ui8": np.uint8(200)}
+  before = _run(g, [values[dtype]])
+  assert canonicalize_graph(m, g, extra=REDUCER_PATTERNS) > 0
+  assert [op.name for op in g.ops] == ["constant"]
+  np.testing.assert_array_equal(_run(g, [values[dtype]]), before)
+  assert bool(before[0]) == holds
+
+
+def test_a_float_compared_with_itself_is_left_alone():
+  """NaN != NaN: the comparison depends on the value."""
+  from graphguard_hlo.passes.canonicalize import REDUCER_PATTERNS
+  m, g = _graph([_t()])
+  x = g.params[0]
+  g.results = [_op(m, g, "compare", [x, x], _t(dtype="pred"), comparison_direction="NE")]
+  canonicalize_graph(m, g, extra=REDUCER_PATTERNS)
+  assert [op.name for op in g.ops] == ["compare"]

@@ -158,3 +158,26 @@ def test_argmin_where_argmax_belongs_is_reported_at_the_reduce():
   result = gg.verify(metrics, dist, W, X, LABELS, mesh=MESH, in_specs=SPECS)
   assert not result.refines
   assert result.failure.op_name == "reduce", to_text(result, "seq", "dist")
+
+
+# -- jnp.select: an argmax over the stacked conditions ---------------------------------------
+
+def piecewise(x):
+  return jnp.select([x < -1, x > 1], [x * 2, x * 3], x)
+
+
+def test_jnp_select_under_gspmd_is_proved():
+  """jnp.select stacks its conditions (after a splat of false, which takes the
+  rows' tiling) and picks the first true one by an argmax over booleans, whose
+  reducer XLA simplifies (no NaN test for booleans): both read alike."""
+  x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+  result = gg.verify(piecewise, piecewise, x, mesh=MESH, in_specs=(P("dp"),),
+                     out_specs=P("dp"))
+  assert result.refines, to_text(result, "seq", "dist")
+
+
+def test_jnp_select_with_its_cases_swapped_is_reported():
+  x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+  swapped = lambda x: jnp.select([x > 1, x < -1], [x * 2, x * 3], x)
+  result = gg.verify(piecewise, swapped, x, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
+  assert not result.refines
