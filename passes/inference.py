@@ -43,7 +43,7 @@ from graphguard_hlo.passes.ring_blocks import RingBlocks
 from graphguard_hlo.passes.sums import SumRegrouping
 from graphguard_hlo.passes.stages import stage_joins
 from graphguard_hlo.passes.tile_lookup import recognize_tile_lookups
-from graphguard_hlo.passes.transfer import Transfer
+from graphguard_hlo.passes.transfer import Transfer, invertible_scale
 from graphguard_hlo.passes.write_backs import WriteBacks
 
 MAX_RELATIONS_PER_VALUE = 24
@@ -734,7 +734,7 @@ class RelationInference:
     if op.name == "multiply" and a.id in self.splats and b.id not in self.splats:
       a, b = b, a
     c = self.splats.get(b.id)
-    if c is None or c == 0 or a.id in self.splats:
+    if not invertible_scale(c) or a.id in self.splats:
       return
     factor = c if op.name == "multiply" else 1.0 / c
     if not op.results[0].type.dtype.startswith(("f", "bf")):

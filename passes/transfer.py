@@ -82,6 +82,13 @@ def integers_to_float(src: str, dst: str) -> bool:
   return is_integer_type(src) and src not in ("pred", "i1") and dst.startswith(("f", "bf"))
 
 
+def invertible_scale(c: Optional[float]) -> bool:
+  """Is ``x * c`` undone by ``/ c`` (in real arithmetic, as every scale is)?
+  Not for 0, nor for infinities and NaN (an erf_inv's ``x * inf`` at |x| = 1),
+  nor where 1 / c overflows."""
+  return c is not None and c != 0 and math.isfinite(c) and math.isfinite(1.0 / c)
+
+
 def _flip_if_negative(l: Layout, c: float) -> Layout:
   """max_r(c * d_r) = c * min_r(d_r) when c < 0: the combine flips, too."""
   if c < 0 and l.partial_kind in ("max", "min"):
@@ -622,13 +629,13 @@ class Transfer:
 
   def _multiply(self, op, cls, l: Layout):
     c = self._splat_operand(op, cls)
-    if c:
+    if invertible_scale(c):
       yield _flip_if_negative(l, c).scaled(1.0 / c)
 
   def _divide(self, op, cls, l: Layout):
     if self.deg.of(op.operands[0]) == cls:
       c = self._splat_operand(op, cls)
-      if c:
+      if invertible_scale(c):
         yield _flip_if_negative(l, c).scaled(c)
 
   def _splat_operand(self, op, cls) -> Optional[float]:

@@ -941,6 +941,15 @@ def test_constant_divided_by_value_yields_nothing():
   assert prog.transfer(times_constant(prog, 2.0, "c/x"), Layout(((), ()))) == []
 
 
+@pytest.mark.parametrize("c", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("form", ["x*c", "x/c"])
+def test_a_scale_that_cannot_be_undone_yields_nothing(c, form):
+  """x * inf (an erf_inv's value at |x| = 1) is not x scaled: divided by inf it
+  is NaN or 0, not x (a relation check caught s ~ 0 * (x * inf))."""
+  prog = Program(MESH, (2, 4))
+  assert prog.transfer(times_constant(prog, c, form), Layout(((), ()))) == []
+
+
 @pytest.mark.parametrize("kind", ["max", "min"])
 def test_negative_constant_turns_partial_max_into_min(kind):
   """-1 * max_r(d_r) = min_r(-d_r): the combine flips, it is not just a scale."""
