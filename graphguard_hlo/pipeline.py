@@ -10,6 +10,7 @@ from graphguard_hlo.passes.dist_program import DistProgram, canonicalize_dist, n
 from graphguard_hlo.passes.canonicalize import (UNROLLED_RING_PATTERNS, canonicalize_graph,
                                                 canonicalize_module)
 from graphguard_hlo.passes.transfer import ring_axes
+from graphguard_hlo.chlo_expansion import expand_chlo, holds_xla_expansions
 from graphguard_hlo.passes.conditionals import select_conditionals
 from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.passes.loop_split import split_layer_loops, trip_counts
@@ -58,6 +59,10 @@ def prepare_seq(seq: ir.Module, program: Optional[DistProgram] = None) -> ir.Mod
   first (its rings ask for the ring forms here too)."""
   inline_calls(seq)
   select_conditionals(seq)
+  # A per-device program read from HLO holds XLA's expansion of each chlo op
+  # (erfc's polynomial): the sequential program is given the same.
+  if program is not None and holds_xla_expansions(program.module):
+    expand_chlo(seq)
   rings = bool(program is not None and program.rings)
   extra = UNROLLED_RING_PATTERNS if program is not None and program.unrolled_ring_loops else ()
   canonicalize_module(seq, rings=rings, extra=extra)

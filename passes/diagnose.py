@@ -864,14 +864,15 @@ def _chunk_order_words(inf, op: ir.Op) -> Optional[str]:
 
 
 def _expanded_chlo_words(inf, op: ir.Op) -> str:
-  """A chlo op the per-device program does not hold: XLA expanded it (erfc
-  into a polynomial) before partitioning, and expansions are not read back."""
+  """A chlo op the per-device program does not hold, and that the sequential
+  one was not given XLA's expansion of (``chlo_expansion.py``: an op it does
+  not list, or one XLA's converter refused alone)."""
   if not op.name.startswith("chlo.") or any(
       d.name == op.name for d in inf.whole_dist.graph.walk()):
     return ""
-  return (f"; the per-device program has no {op.name}: XLA expands it into elementary ops "
-          "before partitioning, which graphguard-hlo does not read back as it (a limitation, "
-          "not a sign of a bug: shard_map programs keep it)")
+  return (f"; the per-device program has no {op.name}: XLA expands it into elementary ops, "
+          "and graphguard-hlo could not give the sequential program the same expansion (a "
+          "limitation, not a sign of a bug: shard_map programs keep it)")
 
 
 def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
