@@ -821,6 +821,49 @@ def _indexed_tile_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
+def _sliced_tile_words(inf, op: ir.Op) -> Optional[str]:
+  """A slice across a dim every rank holds a tile of, where the per-device
+  program runs the same slice on each rank's tile (its window the slice's
+  over the rank count): the windows are not the slice's tiles (a fused q|k|v
+  projection split over ranks as one value, each rank then taking a third of
+  its columns as q)."""
+  if op.name != "slice" or set(op.attrs["strides"]) != {1}:
+    return None
+  x = op.operands[0]
+  start, limit = op.attrs["start_indices"], op.attrs["limit_indices"]
+  for r in inf.whole_relations(x):
+    l = r.layout
+    cut = [d for d in range(l.rank) if l.dims[d] and (start[d], limit[d]) != (0, x.shape[d])]
+    if not cut or not l.is_plain() or l.partial:
+      continue
+    d, axes = cut[0], l.dims[cut[0]]
+    n = int(np.prod([inf.mesh.axis_size(a) for a in axes]))
+    tile = x.shape[d] // n
+    halo = next((u for s_op in inf.users.get(r.cls, ()) if s_op.name == "slice"
+                 for u in inf.users.get(inf.deg.of(s_op.results[0]), ())
+                 if u.name == "collective_permute"), None)
+    if halo is not None:
+      return (f"it takes [{start[d]}, {limit[d]}) along dim {d}, which each rank holds a "
+              f"tile of (split over {_axes(axes)}); the per-device program moves parts of "
+              f"the tiles between ranks (collective-permute at {halo.location}) to reshard "
+              "it, which graphguard-hlo does not follow for a slice (a limitation, not a "
+              "sign of a bug)")
+    for d_op in inf.users.get(r.cls, ()):
+      if d_op.name != "slice" or d_op.operands[0].shape[d] != tile:
+        continue
+      a, b = d_op.attrs["start_indices"][d], d_op.attrs["limit_indices"][d]
+      if (a * n, b * n) != (start[d], limit[d]):
+        continue  # not the sequential slice run on a tile (a halo XLA exchanges)
+      windows = ", ".join(f"[{t * tile + a}, {t * tile + b})" for t in range(min(n, 4)))
+      return (f"it takes [{start[d]}, {limit[d]}) along dim {d}, which each rank holds a tile "
+              f"of (split over {_axes(axes)}, {tile} of {x.shape[d]}); the per-device slice "
+              f"at {d_op.location} cuts [{a}, {b}) out of every rank's tile, that is "
+              f"{windows}{', ...' if n > 4 else ''} of the whole, not this slice's tiles (a "
+              "value that joins parts, such as a fused q|k|v projection, split over ranks "
+              "as one? split each part instead)")
+  return None
+
+
 def _masked_lookup_words(inf, table_cls: int) -> Optional[str]:
   """Where a masked per-device lookup of this table tile (select(mask, 0,
   gather(tile, j))) departs from ``gg.tile_gather`` (tile_lookup.py)."""
@@ -883,6 +926,7 @@ def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   for words in (_ring_words(inf, op), _share_words(inf, op) or _fold_words(inf, op),
                 pin_words or _pin_words(inf, op),
                 _microbatch_words(inf, op), _iota_words(inf, op), _indexed_tile_words(inf, op),
+                _sliced_tile_words(inf, op),
                 _chunk_order_words(inf, op), _constant_words(inf, op)):
     if words:
       problems.append(words)
