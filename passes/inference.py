@@ -576,6 +576,8 @@ class RelationInference:
         self.pieces.concatenated(op)
     if op.name == "slice" and self.pieces.has(op.operands[0]):
       self.pieces.taken(op)
+    if op.name == "slice" and not self.whole_relations(op.results[0]):
+      self._slice_resharded(op)
     if len(op.results) == 1 and not self.whole_relations(op.results[0]):
       self.pieces.apply(op)
     if len(op.results) == 1 and not self.whole_relations(op.results[0]) \
@@ -589,6 +591,25 @@ class RelationInference:
       # An input-free value computed another way (a table XLA folded): by its numbers.
       for d, layout in self.constant_values.relations(op.results[0]):
         self.add_relation(op.results[0], Relation(self.deg.of(d), layout, "same-numbers"))
+
+  def _slice_resharded(self, op: ir.Op) -> None:
+    """A slice across the tiles of a split dim, which the per-device program
+    reshards by passing parts of tiles between ranks: followed rank by rank
+    (``RankTables.sliced``)."""
+    x = op.operands[0]
+    start, limit = op.attrs["start_indices"], op.attrs["limit_indices"]
+    if set(op.attrs["strides"]) != {1}:
+      return
+    for r in self.whole_relations(x):
+      l = r.layout
+      if not l.is_plain() or not l.is_clean() or l.partial or not any(
+          l.dims[d] and (start[d], limit[d]) != (0, n) for d, n in enumerate(x.shape)):
+        continue
+      tile = l.local_shape(x.shape, self.mesh)
+      if tile is None:
+        continue
+      for cls, layout in self.transfer.rank_tables.sliced(start, limit, r.cls, l, tile):
+        self.add_relation(op.results[0], Relation(cls, layout, "rank-by-rank-slice"))
 
   def seq_op(self, op: ir.Op) -> SeqOp:
     """What lemmas read of a sequential op, with the facts they cannot see

@@ -168,6 +168,20 @@ def _held_words(held: Optional[Held], shape: tuple[int, ...], s_name: str) -> st
   return ", ".join(words) + (", zeros elsewhere" if covered < math.prod(shape) else "")
 
 
+def _rebased(held: Optional[Held], window: Box) -> Optional[Held]:
+  """What a rank holds of S, as pieces of ``S' = S[window]``: None (unknown)
+  if some piece holds elements of S outside the window, which are no zeros
+  of S' (a table's uncovered indices are zeros)."""
+  if held is None:
+    return None
+  out = []
+  for p in held:
+    if any(lo + s < w0 or hi + s > w1 for (lo, hi), s, (w0, w1) in zip(p.box, p.shift, window)):
+      return None
+    out.append(Piece(p.box, tuple(s - w0 for s, (w0, _) in zip(p.shift, window))))
+  return tuple(out)
+
+
 def _clamped(start: int, size: int, full: int) -> int:
   """XLA clamps a dynamic slice's start so the slice stays in bounds."""
   return min(max(start, 0), full - size)
@@ -218,11 +232,31 @@ class RankTables:
              ) -> Iterator[tuple[int, Table, tuple[int, ...]]]:
     """(class, table, shape) of ``op``'s result and of the ops after it
     (breadth first, ``MAX_STEPS`` deep) whose tables follow from ``cls``'s."""
+    return self._follow([op], cls, layout, tile)
+
+  def sliced(self, start: tuple[int, ...], limit: tuple[int, ...], cls: int, layout: Layout,
+             tile: tuple[int, ...]) -> Iterator[tuple[int, Layout]]:
+    """For ``S' = S[start:limit]`` where ``S ~ layout of cls``: (class, layout
+    of S') wherever the ops after ``cls`` hold tiles of S'.  XLA reshards a
+    slice across tiles (a fused q|k|v projection split as one) by cutting
+    each tile, passing the parts between ranks and picking each rank's by
+    its partition id: followed from every reader of ``cls``."""
+    if not self.usable:
+      return
+    window = tuple(zip(start, limit))
+    whole = tuple(hi - lo for lo, hi in window)
+    for out, table, shape in self._follow(self.users.get(cls, ()), cls, layout, tile):
+      found = self._as_layout([_rebased(h, window) for h in table], shape, whole)
+      if found is not None:
+        yield out, found
+
+  def _follow(self, ops, cls: int, layout: Layout, tile: tuple[int, ...]
+              ) -> Iterator[tuple[int, Table, tuple[int, ...]]]:
     leaf = self._leaf(layout, tile) if self.usable else None
     if leaf is None:
       return
     tables: dict = {cls: leaf}
-    frontier = [op]
+    frontier = list(ops)
     for _ in range(MAX_STEPS):
       reached = []
       for step in frontier:
@@ -401,6 +435,13 @@ class RankTables:
             for s, size, full in zip(starts, sizes, sliced.shape)]
       out.append(_cut(h, tuple((a, a + size) for a, size in zip(at, sizes))))
     return out
+
+  def _slice(self, op, operand):
+    src = operand(op.operands[0])
+    if src is None or set(op.attrs["strides"]) != {1}:
+      return None
+    window = tuple(zip(op.attrs["start_indices"], op.attrs["limit_indices"]))
+    return [_cut(h, window) for h in src]
 
   def _dynamic_update_slice(self, op, operand):
     base_v, update_v, *offsets = op.operands

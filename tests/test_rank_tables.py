@@ -70,11 +70,19 @@ def some_pairs(draw, n: int):
   return list(zip(sources, targets))
 
 
-def draw_step(draw, prog: Program, v: ir.Value) -> ir.Value:
+KINDS = ("permute", "concat", "slice", "select", "update", "pad", "all_reduce")
+
+
+def draw_step(draw, prog: Program, v: ir.Value, kinds=KINDS) -> ir.Value:
   """One random op after ``v``, of those rank tables follow."""
   mesh, shape, n = prog.mesh, v.shape, prog.mesh.size
-  kind = draw(st.sampled_from(
-      ["permute", "concat", "slice", "select", "update", "pad", "all_reduce"]))
+  kind = draw(st.sampled_from(kinds))
+  if kind == "static_slice":
+    starts = [draw(st.integers(0, m - 1)) for m in shape]
+    limits = [draw(st.integers(a + 1, m)) for a, m in zip(starts, shape)]
+    return prog.add("slice", [v], [b - a for a, b in zip(starts, limits)], attrs={
+        "start_indices": tuple(starts), "limit_indices": tuple(limits),
+        "strides": (1,) * len(shape)}).result
   if kind == "permute":
     return permute(prog, v, some_pairs(draw, n))
   if kind == "concat":
@@ -191,6 +199,64 @@ def test_every_entry_holds_on_a_run():
   # A generator drifting away from what tables follow would check nothing.
   followed.check(0.3)
   read_back.check(0.1)
+
+
+def test_what_is_read_back_of_a_window_rebuilds_it():
+  """``sliced``: where the ops after a tiled value hold tiles of a window of
+  it (a slice across the tiles), the layout read back rebuilds the window,
+  on random programs of the ops tables follow."""
+  read_back = Hits()
+
+  @SETTINGS
+  @given(st.data())
+  def check(data):
+    draw = data.draw
+    mesh = draw(meshes())
+    rank = draw(st.integers(1, 2))
+    layout = draw(plain_layouts(mesh, rank))
+    tile = tuple(draw(st.integers(1, 4)) for _ in range(rank))
+    value_shape = [t * math.prod(mesh.axis_size(a) for a in axes)
+                   for t, axes in zip(tile, layout.dims)]
+    start = tuple(draw(st.integers(0, n - 1)) for n in value_shape)
+    limit = tuple(draw(st.integers(a + 1, n)) for a, n in zip(start, value_shape))
+    prog = Program(mesh, tile)
+    v = prog.param
+    for _ in range(draw(st.integers(1, 4))):
+      v = draw_step(draw, prog, v, KINDS + ("static_slice",))
+    tables, deg = tables_of(prog)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    value = rng.standard_normal(value_shape)
+    run = prog.run(shard(layout, mesh, value, rng))
+    value_of = {deg.of(op.result): op.result for op in prog.graph.ops}
+    window = value[tuple(slice(a, b) for a, b in zip(start, limit))]
+    found = list(tables.sliced(start, limit, deg.of(prog.param), layout, tile))
+    read_back.add(found)
+    for c, new in found:
+      np.testing.assert_allclose(assemble(new, mesh, run[value_of[c].id]), window,
+                                 rtol=1e-6, atol=1e-8, err_msg=f"{layout} {start}:{limit} "
+                                                               f"-> {new} on {mesh.axes}")
+
+  check()
+  read_back.check(0.02)
+
+
+def test_a_window_across_tiles_picked_by_rank_is_read_back():
+  """Rows [2, 6) of 8 rows split in two: rank 0 holds rows 2:4 of its own
+  tile, rank 1 rows 4:6 at the start of its own: one dynamic_slice at a
+  per-rank offset gives each rank its tile of the window."""
+  mesh = ir.Mesh((("x", 2),))
+  prog = Program(mesh, (4, 3))
+  at = per_rank(prog, [2, 0])
+  zero = per_rank(prog, [0, 0])
+  prog.add("dynamic_slice", [prog.param, at, zero], (2, 3), attrs={"slice_sizes": (2, 3)})
+  tables, deg = tables_of(prog)
+  found = list(tables.sliced((2, 0), (6, 3), deg.of(prog.param), Layout((("x",), ())), (4, 3)))
+  assert [l for _, l in found] == [Layout((("x",), ()))]
+  value = np.arange(24.0).reshape(8, 3)
+  rng = np.random.default_rng(0)
+  run = prog.run(shard(Layout((("x",), ())), mesh, value, rng))
+  np.testing.assert_array_equal(assemble(found[0][1], mesh, run[prog.graph.ops[-1].result.id]),
+                                value[2:6])
 
 
 # -- the reshard XLA writes for a batch tiled over a0 onto (a1, a2) ----------------------------
