@@ -36,8 +36,15 @@ def select_conditionals(module: ir.Module) -> int:
 
 def _only_values(op: ir.Op) -> bool:
   """Do ``op``'s branches compute values only (and capture nothing by parameter)?"""
-  return all(not r.params and all(o.name not in _NOT_VALUES for o in r.walk())
+  return all(not r.params and not any(_not_a_value(o.name) for o in r.walk())
              for r in op.regions)
+
+
+def _not_a_value(name: str) -> bool:
+  """A collective, an effect, or one of HLO's async halves (``all-reduce-start``,
+  ``collective-permute-done``, ``ragged-all-to-all``, kept under HLO names)."""
+  return name in _NOT_VALUES or any(w in name for w in (
+      "start", "done", "all-", "all_", "collective", "ragged", "send", "recv", "custom"))
 
 
 def _rewrite(module: ir.Module, g: ir.Graph) -> int:

@@ -24,9 +24,7 @@ _NON_SEMANTIC = {"channel_handle", "precision_config", "precision", "result_accu
                  "use_global_device_ids", "gg.permutation",
                  # Physical layouts (HLO's {2,0,1}): a value's memory order,
                  # never its logical content.
-                 "result_layout", "xla_shape",
-                 # Implied by the operand type (XLA drops it, jax prints it).
-                 "compare_type"}
+                 "result_layout", "xla_shape"}
 
 COMMUTATIVE = {"add", "multiply", "maximum", "minimum", "and", "or", "xor"}
 
@@ -65,7 +63,9 @@ def region_fingerprint(g: ir.Graph) -> Hashable:
       return args[id(v)]
     op = v.producer
     if op is None or id(op) not in numbered:
-      return ("free", v.id)
+      # A value from outside: the Python object, never equal to another
+      # program's (value ids count per module: %7 of one is not %7 of the other).
+      return ("free", id(v))
     return ("op", numbered[id(op)], op.results.index(v))
 
   inside = {id(op) for op in g.ops}
@@ -86,6 +86,32 @@ def region_fingerprint(g: ir.Graph) -> Hashable:
       numbered[id(op)] = len(entries) - 1
   return ("region", tuple(p.type for p in g.params), tuple(entries),
           tuple(ref(v) for v in g.results))
+
+
+def normalize_compare_types(module: ir.Module) -> None:
+  """A compare's ``compare_type`` as one spelling: dropped where it is its
+  operands' own order (FLOAT, SIGNED for signed integers, UNSIGNED for
+  unsigned ones and booleans: XLA drops it, jax prints it), kept where it is
+  not (TOTALORDER floats order -0.0 and NaN; an UNSIGNED compare of signed
+  integers reads their bits), so ops comparing differently never match."""
+  for g in module.functions.values():
+    for op in g.walk():
+      if op.name != "compare" or "compare_type" not in op.attrs or not op.operands:
+        continue
+      given = str(op.attrs["compare_type"])
+      kind = next((k for k in ("TOTALORDER", "UNSIGNED", "SIGNED", "FLOAT") if k in given), None)
+      if kind is None or kind == _own_order(op.operands[0].type.dtype):
+        del op.attrs["compare_type"]
+      else:
+        op.attrs["compare_type"] = f"#stablehlo<comparison_type {kind}>"
+
+
+def _own_order(dtype: str) -> str:
+  if dtype in ("pred", "i1") or dtype.startswith("ui"):
+    return "UNSIGNED"
+  if dtype.startswith("i"):
+    return "SIGNED"
+  return "FLOAT"
 
 
 def op_head(name: str, attrs: dict[str, Any], result_type: ir.TensorType,

@@ -148,3 +148,31 @@ def test_optax_apply_if_finite_under_gspmd_is_proved():
   result = gg.verify(step, step, PARAMS, state, X, X, mesh=MESH,
                      in_specs=(P(), P(), P("dp"), P("dp")), out_specs=(P(), P()))
   assert result.refines, to_text(result, "seq", "dist")
+
+
+def test_a_conditional_left_opaque_is_not_matched_by_its_index_alone():
+  """Its branch holds a custom call (cholesky), so it stays a conditional;
+  its branches read sin(x) sequentially and cos(x) on the devices (an
+  audit's false proof, through captured values' ids)."""
+  def program(f):
+    def run(x, p):
+      v = f(x)
+      return lax.cond(p, lambda: jnp.linalg.cholesky(v @ v.T + 10 * jnp.eye(4)), lambda: v)
+    return run
+  x = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+  flag = jax.ShapeDtypeStruct((), jnp.bool_)
+  for wrong in (jnp.cos, lambda v: jnp.sin(jnp.sin(v))):
+    dist = shard_map(program(wrong), mesh=MESH, in_specs=(P(), P()), out_specs=P(),
+                     check_vma=False)
+    assert not gg.verify(program(jnp.sin), dist, x, flag, mesh=MESH,
+                         in_specs=(P(), P())).refines
+
+
+def test_hlo_async_collectives_in_a_branch_keep_it_a_conditional():
+  """HLO's async halves and ragged all-to-all keep their HLO names when loaded."""
+  from graphguard_hlo.passes.conditionals import _not_a_value
+  for name in ("all-reduce-start", "all-gather-done", "collective-permute-start",
+               "ragged-all-to-all", "all_reduce", "custom_call", "send", "rng"):
+    assert _not_a_value(name), name
+  for name in ("add", "exponential", "dot_general", "select", "dynamic_slice", "while"):
+    assert not _not_a_value(name), name

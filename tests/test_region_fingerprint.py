@@ -85,3 +85,21 @@ def test_ops_feeding_no_result_do_not_count():
 def test_a_long_chain_is_walked_without_recursion():
   plan = [("add", -1, -2)] + [("multiply", j, -1) for j in range(5000)]
   assert region_fingerprint(_region(plan, 0)) == region_fingerprint(_region(plan, 1))
+
+
+def test_values_from_outside_never_match_another_programs():
+  """A branch's captured value enters the fingerprint as itself: two programs
+  whose captured values happen to share an id (ids count per module) do not
+  match (an audit's false proof: a cond left opaque was matched on its index
+  alone, its branches reading unrelated values with the same id)."""
+  def captured(op_name):
+    m = ir.Module("<test>", "stablehlo")
+    g = ir.Graph("body")
+    outside = m.new_value(F32, name="outside")
+    r = m.add_op(g, op_name, [outside, outside], [F32], {}).result
+    g.results = [r]
+    return g, outside
+  (a, va), (b, vb) = captured("add"), captured("add")
+  assert va.id == vb.id
+  assert region_fingerprint(a) != region_fingerprint(b)
+  assert region_fingerprint(a) == region_fingerprint(a)
