@@ -17,7 +17,7 @@ from graphguard_hlo.passes.sharding import axes_of_pairs, axis_renaming_of_pairs
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
 
 _REDUCER_OPS = {"add": "sum", "maximum": "max", "minimum": "min", "multiply": "mul",
-                "or": "max", "and": "min"}
+                "or": "max", "and": "min"}  # (or and and: of booleans only)
 
 
 def reducer_kind(region: ir.Graph) -> Optional[str]:
@@ -29,6 +29,8 @@ def reducer_kind(region: ir.Graph) -> Optional[str]:
     return None
   if {id(v) for v in op.operands} != {id(p) for p in region.params}:
     return None
+  if op.name in ("or", "and") and region.params[0].type.dtype not in ("pred", "i1"):
+    return None  # bitwise on integers: 1 | 2 is 3, no max
   return _REDUCER_OPS.get(op.name)
 
 

@@ -88,3 +88,34 @@ def test_only_s_minus_positive_zero_is_s():
   import jax.numpy as jnp
   assert _verify_jax(lambda x: 1 / (x - jnp.float32(0.0)), lambda x: 1 / x).refines
   assert not _verify_jax(lambda x: 1 / (x - jnp.float32(-0.0)), lambda x: 1 / x).refines
+
+
+def test_a_bitwise_or_reduce_of_integers_is_no_max():
+  """reduce_or([1, 2]) is 3, not max = 2 (an audit's false proof: the
+  sequential select on it was folded to its other branch)."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax, shard_map
+  from jax.sharding import Mesh, PartitionSpec as P
+  import graphguard_hlo as gg
+  from graphguard_hlo import ir
+  from graphguard_hlo.passes.collectives import reducer_kind
+  mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
+
+  def seq(x):
+    c = lax.reduce(jnp.array([1, 2], jnp.int32), np.int32(0), lax.bitwise_or, (0,))
+    return jnp.where(c == 3, x * 2, x * 3)
+  thrice = shard_map(lambda x: x * 3, mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"),
+                     check_vma=False)
+  x = jax.ShapeDtypeStruct((8, 1), jnp.float32)
+  assert not gg.verify(seq, thrice, x, mesh=mesh, in_specs=(P("dp"),)).refines
+
+  def region(dtype, name):
+    m = ir.Module("<test>", "stablehlo")
+    g = ir.Graph("r")
+    t = ir.TensorType((), dtype)
+    g.params = [m.new_value(t), m.new_value(t)]
+    g.results = [m.add_op(g, name, g.params, [t], {}).result]
+    return g
+  assert reducer_kind(region("i32", "or")) is None and reducer_kind(region("i32", "and")) is None
+  assert (reducer_kind(region("pred", "or")), reducer_kind(region("pred", "and"))) == ("max", "min")
