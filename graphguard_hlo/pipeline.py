@@ -13,6 +13,7 @@ from graphguard_hlo.passes.transfer import ring_axes
 from graphguard_hlo.chlo_expansion import expand_chlo, holds_xla_expansions
 from graphguard_hlo.passes.conditionals import select_conditionals
 from graphguard_hlo.passes.inline import inline_calls
+from graphguard_hlo.passes.terms import normalize_compare_types
 from graphguard_hlo.passes.loop_split import split_layer_loops, trip_counts
 from graphguard_hlo.passes.microbatch_loops import split_microbatch_loops
 from graphguard_hlo.passes.rank_cases import rank_case_patterns
@@ -34,6 +35,7 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
         text = f.read()
     dist = partition_stablehlo_text(dist.path, text, num_partitions or dist.num_partitions)
     inline_calls(dist)
+  normalize_compare_types(dist)
   select_conditionals(dist)
   # A ring written as a fori_loop or scan over its steps reads as the Python
   # loop it replaces (ring_loops.py): the sequential program has no loop to
@@ -58,6 +60,7 @@ def prepare_seq(seq: ir.Module, program: Optional[DistProgram] = None) -> ir.Mod
   """``program``: the per-device program it is checked against, prepared
   first (its rings ask for the ring forms here too)."""
   inline_calls(seq)
+  normalize_compare_types(seq)
   select_conditionals(seq)
   # A per-device program read from HLO holds XLA's expansion of each chlo op
   # (erfc's polynomial): the sequential program is given the same.
