@@ -40,34 +40,22 @@ def holds_xla_expansions(module: ir.Module) -> bool:
 def expand_chlo(module: ir.Module) -> int:
   """Replace every expandable chlo op of ``module`` by XLA's expansion of it, in
   place; returns how many were replaced."""
-  return sum(_expand_graph(module, g) for g in module.functions.values())
+  from graphguard_hlo.passes.splice import splice
+  return sum(splice(g, lambda op: _expanded(module, op)) for g in module.functions.values())
 
 
-def _expand_graph(module: ir.Module, g: ir.Graph) -> int:
+def _expanded(module: ir.Module, op: ir.Op):
+  """XLA's expansion of ``op`` cloned in its place (``splice``'s stand-in)."""
   from graphguard_hlo.passes.inline import clone_into
-  count = 0
-  ops: list[ir.Op] = []
-  replace: dict[int, ir.Value] = {}
-  for op in g.ops:
-    op.operands = [replace.get(v.id, v) for v in op.operands]
-    for region in op.regions:
-      count += _expand_graph(module, region)
-    expansion = _expansion(op.name, tuple(v.type for v in op.operands),
-                           tuple(r.type for r in op.results)) if op.name in _EXPANDED else None
-    if expansion is None:
-      ops.append(op)
-      continue
-    body = ir.Graph(op.name)
-    results = clone_into(module, expansion, op.operands, body, op.location)
-    ops.extend(body.ops)
-    replace.update((r.id, v) for r, v in zip(op.results, results))
-    count += 1
-  g.ops = ops
-  g.results = [replace.get(v.id, v) for v in g.results]
-  if replace:
-    for op in g.walk():
-      op.operands = [replace.get(v.id, v) for v in op.operands]
-  return count
+  if op.name not in _EXPANDED:
+    return None
+  expansion = _expansion(op.name, tuple(v.type for v in op.operands),
+                         tuple(r.type for r in op.results))
+  if expansion is None:
+    return None
+  body = ir.Graph(op.name)
+  results = clone_into(module, expansion, op.operands, body, op.location)
+  return body.ops, results
 
 
 def _mlir_type(t: ir.TensorType) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes.collectives import COLLECTIVES
+from graphguard_hlo.passes.splice import splice
 
 _CONDITIONALS = ("case", "if")
 _NOT_VALUES = set(COLLECTIVES) | {"custom_call", "outfeed", "infeed", "send", "recv", "rng",
@@ -31,7 +32,7 @@ _NOT_VALUES = set(COLLECTIVES) | {"custom_call", "outfeed", "infeed", "send", "r
 
 def select_conditionals(module: ir.Module) -> int:
   """Rewrite every pure conditional of ``module`` in place; returns how many."""
-  return sum(_rewrite(module, g) for g in module.functions.values())
+  return sum(splice(g, lambda op: _as_selects(module, op)) for g in module.functions.values())
 
 
 def _only_values(op: ir.Op) -> bool:
@@ -47,35 +48,21 @@ def _not_a_value(name: str) -> bool:
       "start", "done", "all-", "all_", "collective", "ragged", "send", "recv", "custom"))
 
 
-def _rewrite(module: ir.Module, g: ir.Graph) -> int:
-  count = 0
-  ops: list[ir.Op] = []
-  replace: dict[int, ir.Value] = {}
-  for op in g.ops:
-    op.operands = [replace.get(v.id, v) for v in op.operands]
-    for region in op.regions:
-      count += _rewrite(module, region)
-    if op.name not in _CONDITIONALS or not _only_values(op) or not op.regions:
-      ops.append(op)
-      continue
-    for region in op.regions:
-      for inner in region.walk():  # branches read values replaced above
-        inner.operands = [replace.get(v.id, v) for v in inner.operands]
-      ops.extend(region.ops)
-    picks = _picks(module, op, ops)
-    for j, r in enumerate(op.results):
-      branch_results = [replace.get(b.results[j].id, b.results[j]) for b in op.regions]
-      value = branch_results[-1]
-      for pick, chosen in reversed(list(zip(picks, branch_results))):
-        value = _op(module, ops, "select", [pick, chosen, value], {}, r.type, op.location)
-      replace[r.id] = value
-    count += 1
-  g.ops = ops
-  g.results = [replace.get(v.id, v) for v in g.results]
-  if replace:
-    for op in g.walk():
-      op.operands = [replace.get(v.id, v) for v in op.operands]
-  return count
+def _as_selects(module: ir.Module, op: ir.Op):
+  """``op``'s branches inlined and a select chain per result (``splice``'s
+  stand-in), if it is a conditional whose branches compute values only."""
+  if op.name not in _CONDITIONALS or not op.regions or not _only_values(op):
+    return None
+  ops = [o for region in op.regions for o in region.ops]
+  picks = _picks(module, op, ops)
+  values = []
+  for j, r in enumerate(op.results):
+    branch_results = [b.results[j] for b in op.regions]
+    value = branch_results[-1]
+    for pick, chosen in reversed(list(zip(picks, branch_results))):
+      value = _op(module, ops, "select", [pick, chosen, value], {}, r.type, op.location)
+    values.append(value)
+  return ops, values
 
 
 def _picks(module: ir.Module, op: ir.Op, ops: list[ir.Op]) -> list[ir.Value]:
