@@ -23,11 +23,11 @@ import numpy as np
 
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes.collectives import COLLECTIVES
+from graphguard_hlo.passes.loop_edits import EFFECTS
 from graphguard_hlo.passes.splice import splice
 
 _CONDITIONALS = ("case", "if")
-_NOT_VALUES = set(COLLECTIVES) | {"custom_call", "outfeed", "infeed", "send", "recv", "rng",
-                                  "rng_bit_generator", "collective_broadcast"}
+_NOT_VALUES = EFFECTS | set(COLLECTIVES) | {"collective_broadcast"}
 
 
 def select_conditionals(module: ir.Module) -> int:
