@@ -33,7 +33,7 @@ from typing import Optional
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes.inline import clone_into
 from graphguard_hlo.passes.loop_copies import counter_of
-from graphguard_hlo.passes.loop_edits import replace_uses
+from graphguard_hlo.passes.splice import splice
 
 
 # A ring runs as many steps as it has ranks (or one less); a pipeline's
@@ -58,30 +58,18 @@ def _line_and_trips(op: ir.Op, trips: tuple[int, int]):
 
 
 def _unroll_in(module: ir.Module, graph: ir.Graph, split_off: set) -> int:
-  count = 0
-  new_ops: list[ir.Op] = []
-  replace: dict[int, ir.Value] = {}
-  for op in graph.ops:
-    op.operands = [replace.get(v.id, v) for v in op.operands]
-    for region in op.regions:
-      count += _unroll_in(module, region, split_off)
+  def unrolled(op: ir.Op):
     trips = _ring_trips(op)
     if trips is None and op.name == "while" and len(op.regions) == 2:
       counter = counter_of(op)
       if counter is not None and _line_and_trips(op, counter) in split_off:
         trips = counter
     if trips is None:
-      new_ops.append(op)
-      continue
-    unrolled = ir.Graph(graph.name)
-    carries = _unroll(module, op, trips, unrolled)
-    new_ops.extend(unrolled.ops)
-    replace.update((r.id, v) for r, v in zip(op.results, carries))
-    count += 1
-  graph.ops = new_ops
-  if replace:
-    replace_uses(graph, replace)  # (later ops in nested bodies read them too)
-  return count
+      return None
+    copies = ir.Graph(graph.name)
+    carries = _unroll(module, op, trips, copies)
+    return copies.ops, carries
+  return splice(graph, unrolled)
 
 
 def _ring_trips(op: ir.Op) -> Optional[tuple[int, int]]:
