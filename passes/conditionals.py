@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphguard_hlo import ir, reference
+from graphguard_hlo.passes.canonicalize import _fresh
 from graphguard_hlo.passes.collectives import COLLECTIVES
 from graphguard_hlo.passes.loop_edits import EFFECTS
 from graphguard_hlo.passes.splice import splice
@@ -82,7 +83,7 @@ def _picks(module: ir.Module, op: ir.Op, ops: list[ir.Op]) -> list[ir.Value]:
 
 def _op(module: ir.Module, ops: list[ir.Op], name: str, operands, attrs,
         result_type: ir.TensorType, location: ir.Location) -> ir.Value:
-  new = ir.Op(name, list(operands), attrs, [], location)
-  new.results = [module.new_value(result_type, new, 0)]
+  """A new op appended to ``ops``: its one result."""
+  new = _fresh(module, name, operands, attrs, result_type.shape, result_type.dtype, location)
   ops.append(new)
   return new.results[0]
