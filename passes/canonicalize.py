@@ -905,6 +905,8 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph, rings: bool = False,
   return rewrites
 
 
+# Ops kept though nobody reads them.  Unlike loop_edits.EFFECTS, rng ops are
+# not here: their draws are opaque to both programs, so a dead one is dead.
 _SIDE_EFFECTS = {"custom_call", "outfeed", "infeed", "send", "recv"}
 
 
