@@ -265,6 +265,27 @@ def _add_zero(module, graph, op) -> Optional[ir.Value]:
   return None
 
 
+# Integer types whose every value a float64 holds exactly (splat_value's type).
+_EXACT_IN_FLOAT = {"i8": 8, "i16": 16, "i32": 32, "ui8": 8, "ui16": 16, "ui32": 32}
+
+
+def _bitwise_identity(module, graph, op) -> Optional[ir.Value]:
+  """and(x, all ones) -> x, or(x, 0) -> x, xor(x, 0) -> x, for integers.
+  ``jax.random.key(seed)`` masks a 32-bit seed with 0xFFFFFFFF; XLA drops it."""
+  if op.name not in ("and", "or", "xor") or len(op.operands) != 2:
+    return None
+  out = op.results[0].type
+  bits = _EXACT_IN_FLOAT.get(out.dtype)
+  if bits is None:
+    return None
+  from graphguard_hlo.passes.terms import splat_value
+  identity = 0 if op.name != "and" else (-1 if out.dtype.startswith("i") else 2 ** bits - 1)
+  for x, c in (op.operands, op.operands[::-1]):
+    if c.type == out and x.type == out and splat_value(c) == identity:
+      return x
+  return None
+
+
 def _dot_operand_order(module, graph, op) -> Optional[ir.Value]:
   """dot(a, b) -> transpose(dot(b, a)) when b comes first by (batch dims,
   contracting dims, rank): one order for the same product, whichever way
@@ -657,7 +678,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _transpose_of_unit_dims,
     _transpose_through_all_reduce,
     _broadcast_expanding_units,
-    _iota_as_broadcast, _add_zero, _offset_before_broadcast, _clamp_before_unit_broadcast,
+    _iota_as_broadcast, _add_zero, _bitwise_identity, _offset_before_broadcast,
+    _clamp_before_unit_broadcast,
     _select_of_true_false, _square_as_product, _select_of_scalar_predicate,
     _select_of_constant_predicate, _nested_select_sharing_a_branch,
     _all_to_all_rank_dim_moved, _all_to_all_of_split_reshape, _reduce_over_unit_dims,

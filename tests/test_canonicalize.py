@@ -507,3 +507,30 @@ def test_a_float_compared_with_itself_is_left_alone():
   g.results = [_op(m, g, "compare", [x, x], _t(dtype="pred"), comparison_direction="NE")]
   canonicalize_graph(m, g, extra=REDUCER_PATTERNS)
   assert [op.name for op in g.ops] == ["compare"]
+
+
+_INTS = {"i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64,
+         "ui8": np.uint8, "ui16": np.uint16, "ui32": np.uint32, "ui64": np.uint64}
+
+
+@pytest.mark.parametrize("dtype", sorted(_INTS))
+@pytest.mark.parametrize("name", ["and", "or", "xor"])
+@pytest.mark.parametrize("constant_first", [False, True])
+def test_bitwise_op_with_its_identity_is_its_operand(dtype, name, constant_first):
+  """Both sides on random integers; a constant one bit off the identity (or a
+  64-bit one, which a float would not hold exactly) is left alone."""
+  np_type = _INTS[dtype]
+  identity = np_type(-1) if name == "and" and dtype.startswith("i") else (
+      np.iinfo(np_type).max if name == "and" else np_type(0))
+  x = np.random.default_rng(0).integers(np.iinfo(np_type).min, np.iinfo(np_type).max,
+                                        size=(4, 3), dtype=np_type, endpoint=True)
+  for constant, folds in ((identity, "64" not in dtype), (identity ^ np_type(1), False)):
+    m, g = _graph([_t(4, 3, dtype=dtype)])
+    c = _op(m, g, "constant", [], _t(dtype=dtype), value=np.array(constant, np_type))
+    c = _op(m, g, "broadcast_in_dim", [c], _t(4, 3, dtype=dtype), broadcast_dimensions=())
+    operands = [c, g.params[0]] if constant_first else [g.params[0], c]
+    g.results = [_op(m, g, name, operands, _t(4, 3, dtype=dtype))]
+    before = _run(g, [x])
+    canonicalize_graph(m, g)
+    assert (g.results[0] is g.params[0]) == folds, (constant, folds)
+    np.testing.assert_array_equal(_run(g, [x])[0], before[0])
