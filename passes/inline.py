@@ -2,10 +2,14 @@
 (``softmax``, ``_where``, ``silu``...); relation inference wants one flat graph.
 
 Callees are cloned with fresh values (a function may be called twice), the
-call's location is kept on ops that have none of their own.
+call's location is kept on ops that have none of their own, with the op's
+name path under the call's (``jit(_uniform)/iota_2x32_shape``: a diagnosis
+reads what jax op an inlined op came from).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from graphguard_hlo import ir
 
@@ -68,7 +72,7 @@ def clone_into(module: ir.Module, callee: ir.Graph, args: list[ir.Value], into: 
         rg.param_locations = list(r.param_locations)
         clone_graph(r, rg)
         regions.append(rg)
-      loc = op.location if op.location.file is not None else call_loc
+      loc = op.location if op.location.file is not None else _under(call_loc, op.location)
       new = module.add_op(dst, op.name, [mapping.get(v.id, v) for v in op.operands],
                           [r.type for r in op.results], dict(op.attrs), regions, loc)
       for old, nv in zip(op.results, new.results):
@@ -77,3 +81,11 @@ def clone_into(module: ir.Module, callee: ir.Graph, args: list[ir.Value], into: 
 
   clone_graph(callee, into)
   return into.results
+
+
+def _under(call_loc: ir.Location, own: ir.Location) -> ir.Location:
+  """The call's source position, and the op's name path under the call's."""
+  if not own.op_name:
+    return call_loc
+  path = f"{call_loc.op_name}/{own.op_name}" if call_loc.op_name else own.op_name
+  return dataclasses.replace(call_loc, op_name=path)
