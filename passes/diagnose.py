@@ -9,6 +9,7 @@ with the related values nearby.
 
 from __future__ import annotations
 
+import re
 from typing import Optional, Sequence
 
 import numpy as np
@@ -906,6 +907,41 @@ def _chunk_order_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
+def _random_counter_words(op: ir.Op) -> Optional[str]:
+  """jax.random numbers each element of a draw by its position in the draw's
+  shape (``iota_2x32_shape``) and hashes it with the key: a rank drawing a
+  mask of its local shape numbers its elements from 0, so its bits are not
+  its tile of the sequential draw's, whatever the key."""
+  if "iota_2x32_shape" not in (op.location.op_name or "") or len(op.results) != 1:
+    return None
+  return (f"these are the element counters of a jax.random draw of shape "
+          f"{tuple(op.results[0].type.shape)}, and no "
+          "per-device value holds them: the per-device program draws for another shape (a "
+          "rank drawing its own local-shaped mask gets other bits than its part of the "
+          "sequential draw, whatever its key; draw the sequential shape and slice the rank's "
+          "part, or let GSPMD partition the draw)")
+
+
+# jax.random's jitted draws, as they appear in an op's name path.
+_RANDOM_DRAWS = re.compile(r"jit\((_random_bits|_uniform|_normal|_bernoulli|_randint|"
+                           r"_truncated_normal|_gumbel|_categorical|_choice|_permutation|"
+                           r"_fold_in|_split|_exponential|_gamma|_beta|_dirichlet|_laplace|"
+                           r"_logistic|_cauchy|_poisson|_rademacher)\)")
+
+
+def _random_draw_words(op: ir.Op) -> Optional[str]:
+  """An op inside a jax.random draw with no relation: the two programs hash
+  other keys or counters (a key folded with the rank), or draw otherwise."""
+  draws = _RANDOM_DRAWS.findall(op.location.op_name or "")
+  if not draws:
+    return None
+  return (f"this {op.name} is part of a jax.random draw ({draws[0]}) that the per-device "
+          "program does not make as the sequential one does: another key (one folded with the "
+          "rank, or split otherwise), another shape or other parameters (each rank's part of "
+          "a sequential draw needs the same key and the sequential shape: draw it whole and "
+          "slice, or let GSPMD partition the draw)")
+
+
 def _expanded_chlo_words(inf, op: ir.Op) -> str:
   """A chlo op the per-device program does not hold, and that the sequential
   one was not given XLA's expansion of (``chlo_expansion.py``: an op it does
@@ -927,7 +963,7 @@ def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
                 pin_words or _pin_words(inf, op),
                 _microbatch_words(inf, op), _iota_words(inf, op), _indexed_tile_words(inf, op),
                 _sliced_tile_words(inf, op),
-                _chunk_order_words(inf, op), _constant_words(inf, op)):
+                _chunk_order_words(inf, op), _random_counter_words(op) or _constant_words(inf, op)):
     if words:
       problems.append(words)
   counterpart = _counterpart_words(inf, op)
@@ -937,7 +973,8 @@ def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   # (those hold whatever the cap), instead of the bare "no lemma" otherwise.
   capped = _cap_words(inf, op.operands)
   if not problems:
-    problems.append(_held_apart_words(inf, op) or _mismatch_words(inf, op) or capped or
+    problems.append(_random_draw_words(op) or _held_apart_words(inf, op)
+                    or _mismatch_words(inf, op) or capped or
                     f"no op of the per-device program computes this {op.name} from values "
                     "related to its operands (no lemma gives a clean expression)"
                     + _expanded_chlo_words(inf, op))
