@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from graphguard_hlo import ir
 from graphguard_hlo.loaders.stablehlo import load_stablehlo
-from graphguard_hlo.passes.dist_program import is_manual
+from graphguard_hlo.passes.dist_program import is_one_shard_map
 from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.xla_partition import partition_lowered
 
@@ -61,6 +61,6 @@ def lower_distributed(fn: Callable, *args, in_shardings=None, out_shardings=None
   # computation: inlined, it is read with its own mesh and axis names rather
   # than partitioned by XLA onto atomic axes (a0, a1, ...).
   inline_calls(module)
-  if is_manual(module):
+  if is_one_shard_map(module):
     return module
   return partition_lowered(lowered, name)

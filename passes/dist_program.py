@@ -45,10 +45,30 @@ def is_manual(module: ir.Module) -> bool:
   return any(op.name == "sdy.manual_computation" for op in module.main.ops)
 
 
-def needs_partitioning(module: ir.Module) -> bool:
-  """Sharded StableHLO that XLA must still partition (jit with shardings)."""
-  if is_manual(module) or module.num_partitions <= 1:
+def is_one_shard_map(module: ir.Module) -> bool:
+  """``main`` is one shard_map over every mesh axis (and constants it
+  reads): its body is the per-device program as written.  Anything else
+  holding a shard_map (shard_maps inside a jit with shardings, one over some
+  axes only) is partitioned by XLA like any sharded program."""
+  compute = [op for op in module.main.ops if op.name != "constant"]
+  if len(compute) != 1 or compute[0].name != "sdy.manual_computation":
     return False
+  op = compute[0]
+  meshes = {s.mesh for s in tuple(op.attrs.get("in_shardings", ()))
+            + tuple(op.attrs.get("out_shardings", ()))}
+  mesh = module.meshes.get(next(iter(meshes))) if len(meshes) == 1 else None
+  manual_axes = set(op.attrs.get("manual_axes", ()))
+  return mesh is None or not manual_axes or \
+      manual_axes == set(mesh.axis_names) - {a for a, n in mesh.axes if n == 1}
+
+
+def needs_partitioning(module: ir.Module) -> bool:
+  """Sharded StableHLO that XLA must still partition (jit with shardings,
+  shard_maps within it included)."""
+  if module.num_partitions <= 1:
+    return False
+  if is_manual(module):
+    return not is_one_shard_map(module)
   g = module.main
   annotated = any("sdy.sharding" in a for a in g.param_attrs + g.result_attrs)
   has_collectives = any(op.name in COLLECTIVES or op.name == "partition_id" for op in g.walk())
