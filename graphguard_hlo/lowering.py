@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from graphguard_hlo import ir
 from graphguard_hlo.loaders.stablehlo import load_stablehlo
-from graphguard_hlo.passes.dist_program import is_one_shard_map
+from graphguard_hlo.passes.dist_program import is_one_shard_map, named_from
 from graphguard_hlo.passes.inline import inline_calls
 from graphguard_hlo.xla_partition import partition_lowered
 
@@ -63,4 +63,4 @@ def lower_distributed(fn: Callable, *args, in_shardings=None, out_shardings=None
   inline_calls(module)
   if is_one_shard_map(module):
     return module
-  return partition_lowered(lowered, name)
+  return named_from(partition_lowered(lowered, name), module)

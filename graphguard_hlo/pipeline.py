@@ -6,7 +6,8 @@ from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.gcutil import without_cyclic_gc
-from graphguard_hlo.passes.dist_program import DistProgram, canonicalize_dist, needs_partitioning
+from graphguard_hlo.passes.dist_program import (DistProgram, canonicalize_dist, named_from,
+                                                needs_partitioning)
 from graphguard_hlo.passes.canonicalize import (UNROLLED_RING_PATTERNS, canonicalize_graph,
                                                 canonicalize_module)
 from graphguard_hlo.passes.transfer import ring_axes
@@ -33,7 +34,8 @@ def prepare_dist(dist: ir.Module, num_partitions: Optional[int] = None, text: Op
     if text is None:
       with open(dist.path) as f:
         text = f.read()
-    dist = partition_stablehlo_text(dist.path, text, num_partitions or dist.num_partitions)
+    dist = named_from(partition_stablehlo_text(dist.path, text,
+                                               num_partitions or dist.num_partitions), dist)
     inline_calls(dist)
   normalize_compare_types(dist)
   select_conditionals(dist)

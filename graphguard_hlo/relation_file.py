@@ -35,10 +35,12 @@ _ORDER = re.compile(r"order(\d+)=(\d+(?:,\d+)*)$")
 
 
 def parse_relation_file(path: str, text: str, shapes: list[tuple[int, ...]],
-                        axes: Optional[list[str]]) -> dict[int, Layout]:
+                        axes: Optional[list[str]],
+                        aliases: Optional[dict[str, str]] = None) -> dict[int, Layout]:
   """Parameter index -> its layout, for parameters of these sequential
   ``shapes`` over a mesh with these ``axes`` (None: any name, for a reader of
-  the chunk orders alone)."""
+  the chunk orders alone).  ``aliases``: other names of axes (XLA's atomic
+  ``a0`` of an axis the program's mesh names ``tp``)."""
   out: dict[int, Layout] = {}
   # Lines end at "\n" (a "\r" before it is dropped by the strip below), as
   # editors number them; str.splitlines would also break at a lone "\r".
@@ -56,11 +58,12 @@ def parse_relation_file(path: str, text: str, shapes: list[tuple[int, ...]],
                        f"{len(shapes)})", lineno, m.start(1) + 1)
     if index in out:
       raise InputError(path, f"parameter {index} is given twice", lineno, m.start(1) + 1)
-    out[index] = _parse_layout(path, lineno, line, m.start(2), m.group(2), shapes[index], axes)
+    out[index] = _parse_layout(path, lineno, line, m.start(2), m.group(2), shapes[index], axes,
+                               aliases or {})
   return out
 
 
-def _parse_layout(path, lineno, line, col0, spec, shape, axes) -> Layout:
+def _parse_layout(path, lineno, line, col0, spec, shape, axes, aliases) -> Layout:
   rank = len(shape)
   dims: list[tuple[str, ...]] = [() for _ in range(rank)]
   partial: tuple[str, ...] = ()
@@ -83,7 +86,9 @@ def _parse_layout(path, lineno, line, col0, spec, shape, axes) -> Layout:
       raise InputError(path, f"cannot read {item!r}: expected dimK=AXIS[,AXIS], "
                        "partial=AXIS[,AXIS], orderK=CHUNK,CHUNK[,...] or replicated",
                        lineno, col + 1)
-    names = tuple(m.group(3).split(","))
+    # (the mesh's own names first: a user's axis may be called a1)
+    names = tuple(a if axes is None or a in axes else aliases.get(a, a)
+                  for a in m.group(3).split(","))
     unknown = [a for a in names if axes is not None and a not in axes]
     if unknown:
       raise InputError(path, f"unknown mesh axis {unknown[0]!r} (mesh axes: "
@@ -126,7 +131,7 @@ def merge_layouts(derived: list[Optional[Layout]], given: dict[int, Layout]) -> 
 def input_layouts(path: str, text: str, seq, program) -> list[Optional[Layout]]:
   """DIST's derived parameter layouts with the file's lines applied on top."""
   given = parse_relation_file(path, text, [tuple(p.type.shape) for p in seq.main.params],
-                              list(program.mesh.axis_names))
+                              list(program.mesh.axis_names), program.axis_aliases)
   return merge_layouts(program.param_layouts, given)
 
 

@@ -39,6 +39,9 @@ class DistProgram:
   rings: frozenset = frozenset()
   # Ring loops unrolled into the Python loop's form (ring_loops.py).
   unrolled_ring_loops: int = 0
+  # Other names of mesh axes a relation file may use: XLA's atomic ones
+  # (a0, ...) of axes named after the mesh the program was written over.
+  axis_aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def is_manual(module: ir.Module) -> bool:
@@ -73,6 +76,20 @@ def needs_partitioning(module: ir.Module) -> bool:
   annotated = any("sdy.sharding" in a for a in g.param_attrs + g.result_attrs)
   has_collectives = any(op.name in COLLECTIVES or op.name == "partition_id" for op in g.walk())
   return annotated and not has_collectives
+
+
+# The mesh a program partitioned by XLA was written over (``named_from``).
+SOURCE_MESH = "gg.source_mesh"
+
+
+def named_from(partitioned: ir.Module, source: ir.Module) -> ir.Module:
+  """Record on XLA's per-device module the mesh ``source`` (the sharded
+  StableHLO it was partitioned from) names, if it names one: the inferred
+  atomic axes take its names where they are its axes."""
+  meshes = [m for m in source.meshes.values() if m.size > 1]
+  if len(meshes) == 1:
+    partitioned.attrs[SOURCE_MESH] = meshes[0]
+  return partitioned
 
 
 def canonicalize_dist(module: ir.Module, num_partitions: Optional[int] = None) -> DistProgram:
@@ -176,6 +193,7 @@ def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:
     module.num_partitions = n
     mesh = shd.infer_mesh([s for s in param_sh + result_sh if s is not None], n, groups,
                           _partition_id_strides(g, n))
+    atomic, mesh = mesh, shd.named_after(mesh, module.attrs.get(SOURCE_MESH))
     param_layouts = [
         None if s is None else shd.layout_from_hlo_sharding(s, mesh, v.type.rank)
         for s, v in zip(param_sh, g.params)]
@@ -190,7 +208,9 @@ def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:
   # Parameters without a sharding on an N-way module are replicated.
   param_layouts = [l if l is not None else Layout.replicated(v.type.rank)
                    for l, v in zip(param_layouts, g.params)]
-  return DistProgram(module, g, mesh, param_layouts, result_layouts, "spmd")
+  aliases = {a: b for a, b in zip(atomic.axis_names, mesh.axis_names) if a != b}
+  return DistProgram(module, g, mesh, param_layouts, result_layouts, "spmd",
+                     axis_aliases=aliases)
 
 
 def _partition_id_strides(g: ir.Graph, n: int) -> set[int]:

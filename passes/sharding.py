@@ -176,6 +176,32 @@ def infer_mesh(shardings: Iterable[HloSharding], num_devices: int,
   return Mesh(tuple((f"a{i}", s) for i, s in enumerate(axes)))
 
 
+def named_after(mesh: Mesh, source: Optional[Mesh]) -> Mesh:
+  """``mesh``'s atomic axes (``infer_mesh``) renamed after the axes of the
+  mesh the program was written over, each that is one of them: the same size
+  and the same stride in partition-id order (an iota ``source``: jax numbers
+  partitions by their place in the mesh).  An atomic axis that cuts a source
+  axis, or joins several, keeps its ``aN`` name; so do all when a name would
+  repeat."""
+  if source is None or source.device_ids not in (None, tuple(range(source.size))) \
+      or source.size != mesh.size:
+    return mesh
+  by_place = {(size, stride): name for name, size, stride in _strided(source) if size > 1}
+  renamed = tuple((by_place.get((size, stride), name), size)
+                  for name, size, stride in _strided(mesh))
+  names = [n for n, _ in renamed]
+  return Mesh(renamed) if len(set(names)) == len(names) else mesh
+
+
+def _strided(mesh: Mesh) -> list[tuple[str, int, int]]:
+  """(name, size, stride in device-id order) of each axis, major to minor."""
+  out, stride = [], 1
+  for name, size in reversed(mesh.axes):
+    out.append((name, size, stride))
+    stride *= size
+  return out[::-1]
+
+
 def _axis_strides(mesh: Mesh) -> dict[int, str]:
   """Stride in device-id space of each axis (iota meshes only)."""
   out = {}

@@ -8,6 +8,7 @@ from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec as P
 
 import graphguard_hlo as gg
+from graphguard_hlo.report import to_text
 
 MESH = Mesh(np.array(jax.devices()[:4]), ("tp",))
 ARGS = [jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 32), jnp.float32),
@@ -39,7 +40,7 @@ def test_gspmd_is_proved_from_specs():
 
 
 @pytest.mark.parametrize("out_spec, relation", [
-    (P(None, "tp"), "concat[dim1:a0](out0@r)"), (P(), "replica(out0@r)")])
+    (P(None, "tp"), "concat[dim1:tp](out0@r)"), (P(), "replica(out0@r)")])
 def test_gspmd_with_replicated_inputs_reads_the_partition_count_from_jax(out_spec, relation):
   """XLA's partitioned module records no sharding for these inputs, nor the
   partition count: it comes from the jitted function's own shardings (the
@@ -212,6 +213,22 @@ def test_verify_files_with_relation_text():
   td = "testdata/tp_mlp__shard_map__ok"
   assert gg.verify_files(f"{td}/seq.mlir", f"{td}/dist.mlir",
                          relation="1: dim1=tp\n3: dim0=tp\n").refines
+
+
+@pytest.mark.parametrize("axis", ["tp", "a0"])
+def test_a_gspmd_relation_names_the_users_axis_or_xlas_atomic_one(axis):
+  """XLA's per-device program is read over the user's mesh axes; a relation
+  may still name XLA's atomic axis (what an HLO dump of it is read over)."""
+  def verify(relation):
+    return gg.verify(mlp, mlp, *ARGS, mesh=MESH, in_specs=SPECS, out_specs=P(),
+                     relation=relation)
+  result = verify(f"1: dim1={axis}\n2: dim0={axis}\n")
+  assert result.refines and "mesh {'tp': 4}" in to_text(result, "seq", "dist")
+  from graphguard_hlo.errors import InputError
+  with pytest.raises(InputError, match=r"under concat\[dim0:tp\]\(d@r\) gives per-device"):
+    verify(f"1: dim0={axis}\n")  # rows, where XLA splits columns
+  with pytest.raises(InputError, match=r"unknown mesh axis 'a1' \(mesh axes: tp\)"):
+    verify("1: dim1=a1\n")
 
 
 @pytest.mark.parametrize("pair, refines", [("tp_mlp__shard_map__ok", True),

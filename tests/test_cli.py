@@ -60,7 +60,7 @@ def test_a_sharded_stablehlo_file_whose_output_alone_is_split(tmp_path, capsys):
   (tmp_path / "dist.mlir").write_text(lowered.as_text())
   code, out, _ = _run(capsys, seq, str(tmp_path / "dist.mlir"), "--format", "json")
   assert code == 0, out
-  assert json.loads(out)["outputs"] == [{"index": 0, "relation": "concat[dim1:a0](out0@r)"}]
+  assert json.loads(out)["outputs"] == [{"index": 0, "relation": "concat[dim1:tp](out0@r)"}]
 
 
 def test_a_partitioned_proto_that_tells_no_mesh_is_not_a_crash(tmp_path, capsys):

@@ -132,8 +132,8 @@ def test_an_uneven_sharding_is_not_proved_and_each_ranks_columns_are_shown():
   result = verify(f, jax.jit(f, out_shardings=replicated), x, w)
   words = result.failure.diagnosis
   assert not result.refines, words
-  assert "rank by rank it holds, at a0 = 0: %2[0:8, 0:8] at [0:8, 0:8]" in words, words
-  assert "at a0 = 3: %2[0:8, 24:30] at [0:8, 0:6], zeros elsewhere" in words, words
+  assert "rank by rank it holds, at tp = 0: %2[0:8, 0:8] at [0:8, 0:8]" in words, words
+  assert "at tp = 3: %2[0:8, 24:30] at [0:8, 0:6], zeros elsewhere" in words, words
 
 
 def _tensor_parallel_grad(check_vma):

@@ -237,3 +237,31 @@ def test_a_one_element_iota_is_zero_on_every_partition_and_cuts_no_mesh_axis():
   five, four2 = (_op(m2, g2, "constant", [], "i32", value=np.array(v, np.int32)) for v in (5, 4))
   _op(m2, g2, "divide", [_op(m2, g2, "subtract", [five, pid2]), four2])
   assert _partition_id_strides(g2, 4) == {2}
+
+
+def _mesh(*axes, device_ids=None):
+  return ir.Mesh(tuple(axes), device_ids)
+
+
+@pytest.mark.parametrize("atomic, source, expect", [
+    # each atomic axis one of the source's: named after it
+    ((("a0", 2), ("a1", 2)), (("dp", 2), ("tp", 2)), ("dp", "tp")),
+    # a unit axis of the source cuts nothing
+    ((("a0", 2), ("a1", 2)), (("dp", 2), ("x", 1), ("tp", 2)), ("dp", "tp")),
+    # an axis joining two of the source's, or cutting one, keeps its name
+    ((("a0", 4),), (("dp", 2), ("tp", 2)), ("a0",)),
+    ((("a0", 2), ("a1", 2), ("a2", 2)), (("dp", 2), ("tp", 4)), ("dp", "a1", "a2")),
+    # same sizes, other strides: tp=4 major where XLA cut dp=2 major
+    ((("a0", 2), ("a1", 4)), (("tp", 4), ("dp", 2)), ("a0", "a1")),
+    # a name that would repeat: none renamed
+    ((("a0", 2), ("a1", 2), ("a2", 2)), (("a1", 2), ("tp", 4)), ("a0", "a1", "a2")),
+])
+def test_atomic_axes_are_named_after_the_source_mesh(atomic, source, expect):
+  assert shd.named_after(_mesh(*atomic), _mesh(*source)).axis_names == expect
+
+
+def test_atomic_axes_keep_their_names_under_a_permuted_or_other_sized_source():
+  atomic = _mesh(("a0", 2), ("a1", 2))
+  assert shd.named_after(atomic, _mesh(("dp", 2), ("tp", 2), device_ids=(0, 2, 1, 3))) is atomic
+  assert shd.named_after(atomic, _mesh(("dp", 2), ("tp", 4))) is atomic
+  assert shd.named_after(atomic, None) is atomic

@@ -132,7 +132,7 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/pp_gpipe_grad/shard_map/double_counted_grad": "4 times the sequential one",
     "gpt2/pp_gpipe/gspmd/wrong_permutation":
         "activations or their cotangents passed to the wrong stage?",
-    "llama3/pp_gpipe/gspmd/fed_to_stage_1": "only at a0=0: no rank holds both",
+    "llama3/pp_gpipe/gspmd/fed_to_stage_1": "only at pp=0: no rank holds both",
     "llama3/pp_tp_gpipe/gspmd/collected_from_stage_0":
         "but never on pieces 0, 1, 3 (a microbatch skipped, or taken twice?)",
     "llama3/pp_gpipe_fori/gspmd/wrong_permutation":
@@ -140,7 +140,7 @@ _DIAGNOSES: dict[str, str] = {
     "gpt2/pp_gpipe/gspmd/collected_from_stage_2":
         "but never on piece 3 (a microbatch skipped, or taken twice?)",
     "gpt2/pp_circular/gspmd/no_stage_lag":
-        "at a0=1 on pieces 0, 1, 2 of the 4 its operand is cut into along dim 0, but never "
+        "at pp=1 on pieces 0, 1, 2 of the 4 its operand is cut into along dim 0, but never "
         "on piece 3",
     "llama3/pp_circular_fori/gspmd/no_stage_lag":
         "(a stage running another layer's or another microbatch's step?)",
