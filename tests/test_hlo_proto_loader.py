@@ -118,3 +118,14 @@ def test_constants_differing_in_a_nan_payload_are_different(same):
   result = gg.verify(bits_of(canonical), bits_of(other), jnp.zeros(8), mesh=mesh,
                      in_specs=(P("x"),), out_specs=P("x"))
   assert result.refines == same
+
+
+def test_ops_of_a_proto_keep_their_source_lines(middle_axis_proto):
+  """The proto's stack frames (which as_hlo_text does not print) give each
+  op the user's line."""
+  import inspect
+  module = hlo_proto.load_hlo_proto("<pb>", middle_axis_proto)
+  line = inspect.getsourcelines(_sum)[1] + 1
+  (reduce,) = [op for op in module.main.walk() if op.name == "reduce"]
+  assert reduce.location.file == __file__ and reduce.location.line == line
+  assert reduce.location.op_name.endswith("reduce_sum")

@@ -49,16 +49,20 @@ def load_hlo_proto(path: str, data: bytes) -> ir.Module:
   read the groups the program really uses.
   """
   from jax._src.lib import xla_client
+  from jaxlib._hlo import HloPrintOptions
   from graphguard_hlo.loaders.hlo_text import load_hlo_text
+  options = HloPrintOptions()
+  options.print_large_constants = True  # the proto holds every value: print them all
+  options.print_metadata = True  # source lines (as_hlo_text drops its stack frames)
   try:
-    text = xla_client.XlaComputation(unwrap_hlo_proto(data)).as_hlo_text(
-        print_large_constants=True)  # the proto holds every value: print them all
+    module = xla_client.XlaComputation(unwrap_hlo_proto(data)).get_hlo_module()
+    text = module.to_string(options)
   except Exception as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise InputError(path, f"not a valid HLO proto: {first}") from None
-  module = load_hlo_text(path, text)
-  module.format = "hlo_proto"
-  return module
+  loaded = load_hlo_text(path, text)
+  loaded.format = "hlo_proto"
+  return loaded
 
 
 def load_hlo_proto_via_converter(path: str, data: bytes) -> ir.Module:
