@@ -67,6 +67,10 @@ NORMALIZATION_RULES = [
     Rule("broadcast-to-same-shape", ("broadcast_in_dim", "?x"), "?x", when=_same_type),
     Rule("broadcast-of-splat", ("broadcast_in_dim", "?x"), _splat_broadcast),
     Rule("reshape-of-splat", ("reshape", "?x"), _splat_broadcast),
+    # (jnp.cumsum's exclusive form concatenates a slice of zeros)
+    Rule("slice-of-splat", ("slice", "?x"), _splat_broadcast),
+    Rule("transpose-of-splat", ("transpose", "?x"), _splat_broadcast),
+    Rule("reverse-of-splat", ("reverse", "?x"), _splat_broadcast),
     Rule("convert-of-splat", ("convert", "?x"), _splat_converted),
     # GSPMD keeps a replicated scatter base on partition 0 only:
     # select(pid != 0, 0, base), and the base is itself 0.

@@ -84,3 +84,19 @@ def test_a_min_of_a_max_is_a_clamp():
       np.minimum(np.maximum(xs, a), c))
   assert not np.array_equal(reference.evaluate("clamp", {}, [a, xs, c], i32),
                             np.maximum(np.minimum(xs, c), a))
+
+
+def test_a_splat_sliced_transposed_or_reversed_is_a_splat():
+  """jnp.cumsum's exclusive form concatenates a slice of broadcast zeros."""
+  b = Builder([_t(3)])
+  zeros, ones = b.splat(0.0, (4, 6)), b.splat(1.0, (4, 6))
+  sliced = b.op("slice", [zeros], _t(1, 6), start_indices=(0, 0), limit_indices=(1, 6),
+                strides=(1, 1))
+  turned = b.op("transpose", [ones], _t(6, 4), permutation=(1, 0))
+  flipped = b.op("reverse", [ones], _t(4, 6), dimensions=(0,))
+  deg = DistEGraph(b.g)
+  assert [deg.splat(deg.of(v)) for v in (sliced, turned, flipped)] == [0.0, 1.0, 1.0]
+  assert deg.of(flipped) == deg.of(ones) != deg.of(turned)  # (types differ)
+  env = b.values([np.zeros(3)])  # the reference agrees: every element is the splat
+  for v in (sliced, turned, flipped):
+    assert env[v.id].shape == v.type.shape and np.all(env[v.id] == deg.splat(deg.of(v)))
