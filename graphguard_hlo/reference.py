@@ -483,6 +483,8 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
     return dot_general(xs[0], xs[1], attrs)
   if name == "transpose":
     return np.transpose(xs[0], attrs["permutation"]).copy()
+  if name == "reverse":
+    return np.flip(xs[0], tuple(attrs["dimensions"])).copy()
   if name == "reshape":
     return xs[0].reshape(result_type.shape).copy()
   if name == "broadcast_in_dim":

@@ -457,6 +457,16 @@ def _slice(op: SeqOp, ls: Sequence[Layout]):
          "strides": tuple(strides)}, a
 
 
+def _reverse(op: SeqOp, ls: Sequence[Layout]):
+  """reverse(concat(a_r, k), d) = concat(reverse(a_r, d), k) when no reversed
+  dim d is tiled.  Reversing moves elements only, so partial sums, maxima,
+  scales and pins pass through.  (Reordered chunks are refused:
+  pieces.dim_map does not map a reversed dim.)"""
+  (a,) = ls
+  if not any(a.dims[d] for d in op.attrs["dimensions"]):
+    yield op.attrs, a
+
+
 def _slice_one_tile(op: SeqOp, ls: Sequence[Layout]):
   """slice(concat(a_r, k), [s, e)) = slice(a_t, [s - t*n, e - t*n)) at the ranks
   holding tile t, when [s, e) lies inside tile t of dim k: a layer's weights
@@ -918,6 +928,8 @@ LEMMAS: tuple[Lemma, ...] = (
           "reduce_+(concat(a_r,k), k) = sum_r reduce_+(a_r, k); max/min alike", _reduce),
     Lemma("slice-untiled-dims", frozenset({"slice"}),
           "slice(concat(a_r,k)) = concat(slice(a_r),k) if dim k is whole", _slice),
+    Lemma("reverse-untiled-dims", frozenset({"reverse"}),
+          "reverse(concat(a_r,k), d) = concat(reverse(a_r,d),k) if dim d is whole", _reverse),
     Lemma("slice-of-one-tile", frozenset({"slice"}),
           "slice(concat(a_r,k), inside tile t) = slice(a_t) at the ranks holding tile t",
           _slice_one_tile),

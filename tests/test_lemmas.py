@@ -507,6 +507,16 @@ def slice_(draw, mesh, seed):
 
 
 @st.composite
+def reverse(draw, mesh, seed):
+  """Any dims reversed, tiled ones too (which the lemma must refuse)."""
+  a = draw_layout(draw, mesh, draw(st.integers(1, 3)))
+  x = random_values(np.random.default_rng(seed), draw_shape(draw, mesh, a))
+  dims = tuple(d for d in range(x.ndim) if draw(st.booleans()))
+  return Case(seq_op("reverse", {"dimensions": dims}, [x], list(x.shape), mesh), [a], [x],
+              seed)
+
+
+@st.composite
 def slice_one_tile(draw, mesh, seed):
   """Slices inside one tile of a tiled dim (a layer out of a stage's stack),
   sometimes straddling two tiles or strided, which the lemma must refuse.
@@ -1012,6 +1022,7 @@ GENERATORS = {
     "iota": iota,
     "reduce": reduce,
     "slice-untiled-dims": slice_,
+    "reverse-untiled-dims": reverse,
     "slice-of-one-tile": slice_one_tile,
     "concatenate-other-dim": concatenate,
     "pad-untiled-dims": pad,
