@@ -45,18 +45,26 @@ def attrs_key(attrs: dict[str, Any]) -> Hashable:
   return tuple(sorted((k, freeze(v)) for k, v in attrs.items() if k not in _NON_SEMANTIC))
 
 
+# Ops two of which on the same operands may differ: each draws or moves anew.
+_NOT_SHARED = frozenset({"rng", "rng_bit_generator", "custom_call", "infeed", "outfeed",
+                         "send", "recv"})
+
+
 def region_fingerprint(g: ir.Graph) -> Hashable:
   """A structural hash of a region: equal for alpha-equivalent bodies, in
   whatever order their ops are listed (jax and XLA's partitioner list an
   argmax's reducer in two orders).  The ops are numbered in a depth-first
   walk from the results, operands in order, so the numbering is the DAG's
-  own; ops that reach no result compute nothing it returns and are left out."""
+  own; ops that reach no result compute nothing it returns and are left out.
+  Two equal pure ops on the same operands are one value (XLA's CSE merges a
+  sort comparator's repeated constants; jax writes one per use)."""
   kind = reducer_kind(g)
   if kind is not None:
     return ("reducer", kind, tuple(p.type for p in g.params))
   args = {id(p): ("arg", i) for i, p in enumerate(g.params)}
   numbered: dict[int, int] = {}  # id(op) -> its place in the walk
   entries: list[tuple] = []
+  seen: dict[tuple, int] = {}  # entry -> its place: equal pure ops are one
 
   def ref(v: ir.Value) -> tuple:
     if id(v) in args:
@@ -80,10 +88,14 @@ def region_fingerprint(g: ir.Graph) -> Hashable:
         stack.extend((v.producer, False) for v in reversed(op.operands)
                      if v.producer is not None and id(v.producer) not in numbered)
         continue
-      entries.append((op.name, attrs_key(op.attrs), tuple(ref(v) for v in op.operands),
-                      tuple(r.type for r in op.results),
-                      tuple(region_fingerprint(r) for r in op.regions)))
-      numbered[id(op)] = len(entries) - 1
+      entry = (op.name, attrs_key(op.attrs), tuple(ref(v) for v in op.operands),
+               tuple(r.type for r in op.results),
+               tuple(region_fingerprint(r) for r in op.regions))
+      if entry in seen and not op.regions and op.name not in _NOT_SHARED:
+        numbered[id(op)] = seen[entry]  # the same value computed twice (XLA's CSE shares it)
+        continue
+      entries.append(entry)
+      numbered[id(op)] = seen[entry] = len(entries) - 1
   return ("region", tuple(p.type for p in g.params), tuple(entries),
           tuple(ref(v) for v in g.results))
 

@@ -5,6 +5,8 @@ per-device program by its head, which holds the fingerprint."""
 
 import random
 
+import numpy as np
+
 from hypothesis import given, settings, strategies as st
 
 from graphguard_hlo import ir
@@ -103,3 +105,32 @@ def test_values_from_outside_never_match_another_programs():
   assert va.id == vb.id
   assert region_fingerprint(a) != region_fingerprint(b)
   assert region_fingerprint(a) == region_fingerprint(a)
+
+
+def _scalar_region(uses, draw_op=None):
+  """compare(select(x == c0, c1, x), y) with each constant its own op (jax
+  writes one per use) or one shared (XLA's CSE); ``draw_op``: the two
+  operands drawn by that op instead, once each or once for both."""
+  m = ir.Module("<test>", "stablehlo")
+  g = ir.Graph("body")
+  x, y = g.params = [m.new_value(F32, name="x"), m.new_value(F32, name="y")]
+  def zero():
+    return m.add_op(g, "constant", [], [F32], {"value": np.array(0.0, np.float32)}).result
+  shared = zero()
+  c0, c1 = (shared, shared) if uses == "shared" else (zero(), zero())
+  if draw_op is not None:
+    a = m.add_op(g, draw_op, [], [F32], {}).result
+    c0, c1 = a, (a if uses == "shared" else m.add_op(g, draw_op, [], [F32], {}).result)
+  pred = ir.TensorType((), "i1")
+  eq = m.add_op(g, "compare", [x, c0], [pred], {"comparison_direction": "EQ"}).result
+  picked = m.add_op(g, "select", [eq, c1, x], [F32], {}).result
+  g.results = [m.add_op(g, "compare", [picked, y], [pred], {"comparison_direction": "LT"}).result]
+  return g
+
+
+def test_a_value_computed_twice_is_the_value_computed_once():
+  """jax's sort comparator writes a constant per use, XLA's CSE shares one;
+  two draws of a random number are two numbers, though."""
+  assert region_fingerprint(_scalar_region("own")) == region_fingerprint(_scalar_region("shared"))
+  assert region_fingerprint(_scalar_region("own", "rng")) != region_fingerprint(
+      _scalar_region("shared", "rng"))
