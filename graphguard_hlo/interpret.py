@@ -91,6 +91,11 @@ class Interpreter:
       if kind is None:
         raise Unsupported("reducer")
       attrs = dict(attrs, **{"gg.reduction": kind})
+    elif name == "sort":
+      less = _comparator(op.regions[0])
+      per_rank = [reference.sort([a[k] for a in args], attrs["dimension"], less)
+                  for k in range(self.ranks)]
+      return [[sorted_[j] for sorted_ in per_rank] for j in range(len(op.results))]
     elif name == "chlo.top_k":
       per_rank = [reference.top_k(a, attrs["k"]) for a in args[0]]
       return [[v for v, _ in per_rank], [i for _, i in per_rank]]
@@ -146,6 +151,24 @@ class Interpreter:
     if any(o is None for o in out):
       raise Unsupported("a rank in no replica group")
     return out
+
+
+def _comparator(region: ir.Graph):
+  """A sort's comparator region as a function of its scalars (it reads
+  nothing but its parameters and constants)."""
+  if any(op.regions or len(op.results) != 1 for op in region.ops):
+    raise Unsupported("sort comparator")
+
+  def less(*scalars) -> bool:
+    env = {p.id: np.asarray(x) for p, x in zip(region.params, scalars)}
+    for op in region.ops:
+      if any(v.id not in env for v in op.operands):
+        raise Unsupported("sort comparator reads an outer value")
+      env[op.results[0].id] = reference.evaluate(op.name, op.attrs,
+                                                 [env[v.id] for v in op.operands],
+                                                 op.results[0].type)
+    return bool(env[region.results[0].id])
+  return less
 
 
 def replica_groups(op: ir.Op, ranks: int) -> list[tuple[int, ...]]:

@@ -10,7 +10,8 @@ Ops compute in their operands' precision (tests pass float64); only
 the collectives depend on the rank and are not here.  ``reduce`` (and
 ``reduce_window``, ``scatter``) reads its reducer from ``attrs["gg.reduction"]``
 ("sum", "max", "min", "mul"), the form ``inference`` gives it; ``reduce`` takes
-``[operand, init]``.
+``[operand, init]``.  ``sort`` reads its comparator as a function from
+``attrs["gg.comparator"]`` (the interpreter runs the region itself).
 """
 
 from __future__ import annotations
@@ -348,6 +349,28 @@ def top_k(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
   return np.take_along_axis(x, order, axis=-1), order.astype(np.int32)
 
 
+def sort(operands: Sequence[np.ndarray], dimension: int,
+         less: Callable[..., bool]) -> list[np.ndarray]:
+  """``sort``: every 1-D slice along ``dimension`` of all operands reordered
+  alike, stably, by ``less`` (the comparator region as a function: called on
+  the scalars of positions i and j in its parameter order, x0[i], x0[j],
+  x1[i], x1[j], ...)."""
+  import functools
+  moved = [np.moveaxis(np.asarray(x), dimension, -1) for x in operands]
+  out = [m.copy() for m in moved]
+  for index in np.ndindex(*moved[0].shape[:-1]):
+    rows = [m[index] for m in moved]
+
+    def compare(i: int, j: int) -> int:
+      if less(*[v for row in rows for v in (row[i], row[j])]):
+        return -1
+      return 1 if less(*[v for row in rows for v in (row[j], row[i])]) else 0
+    order = sorted(range(rows[0].shape[0]), key=functools.cmp_to_key(compare))
+    for o, row in zip(out, rows):
+      o[index] = row[order]
+  return [np.moveaxis(o, -1, dimension) for o in out]
+
+
 def _tile_of(attrs: dict, coords: dict[str, int]) -> tuple[int, int]:
   """(the tile a rank holds, the tile count) of a table split by rows over the
   axes ``gg.tiles`` ((axis, size) pairs, major to minor)."""
@@ -485,6 +508,8 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
     return np.transpose(xs[0], attrs["permutation"]).copy()
   if name == "reverse":
     return np.flip(xs[0], tuple(attrs["dimensions"])).copy()
+  if name == "sort":  # (its first result; the comparator as a function, see ``sort``)
+    return sort(xs, attrs["dimension"], attrs["gg.comparator"])[0]
   if name == "reshape":
     return xs[0].reshape(result_type.shape).copy()
   if name == "broadcast_in_dim":

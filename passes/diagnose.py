@@ -907,6 +907,30 @@ def _chunk_order_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
+# Ops that reorder elements along dims of their own: rows a rank does not
+# hold cannot take part, so along a split dim each rank's result is its own.
+_ALONG_DIMS = {"sort": lambda op: (op.attrs["dimension"],),
+               "reverse": lambda op: tuple(op.attrs["dimensions"])}
+
+
+def _along_split_dim_words(inf, op: ir.Op) -> Optional[str]:
+  """A sort (or reverse) along a dim every relation of its operand splits:
+  each rank sorts its own tile, not the whole."""
+  dims_of = _ALONG_DIMS.get(op.name)
+  rels = inf.whole_relations(op.operands[0]) if dims_of else []
+  if not rels:
+    return None
+  dims = dims_of(op)
+  split = [tuple(x for d in dims for x in r.layout.dims[d]) for r in rels]
+  if not all(split):
+    return None
+  verb = "sorts" if op.name == "sort" else "reverses"
+  return (f"this {op.name} {verb} along dim {', '.join(map(str, dims))}, which its operand "
+          f"holds split over {_axes(dict.fromkeys(a for s in split for a in s))}: each rank "
+          f"would {verb[:-1]} only its own tile (gather the dim first, or {verb[:-1]} "
+          "along another)")
+
+
 def _random_counter_words(op: ir.Op) -> Optional[str]:
   """jax.random numbers each element of a draw by its position in the draw's
   shape (``iota_2x32_shape``) and hashes it with the key: a rank drawing a
@@ -962,6 +986,7 @@ def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   for words in (_ring_words(inf, op), _share_words(inf, op) or _fold_words(inf, op),
                 pin_words or _pin_words(inf, op),
                 _microbatch_words(inf, op), _iota_words(inf, op), _indexed_tile_words(inf, op),
+                _along_split_dim_words(inf, op),
                 _sliced_tile_words(inf, op),
                 _chunk_order_words(inf, op), _random_counter_words(op) or _constant_words(inf, op)):
     if words:

@@ -467,6 +467,17 @@ def _reverse(op: SeqOp, ls: Sequence[Layout]):
     yield op.attrs, a
 
 
+def _sort(op: SeqOp, ls: Sequence[Layout]):
+  """sort(concat(a_r, k), d) = concat(sort(a_r, d), k), each operand tiled
+  alike, when dim d is not tiled: a sort reorders each slice along d by
+  itself, whatever its comparator.  Clean operands only (a scale could turn
+  the order round; a partial sum is sorted only once summed)."""
+  a = ls[0]
+  if any(l != a for l in ls) or a.partial or not a.is_clean() or a.dims[op.attrs["dimension"]]:
+    return
+  yield op.attrs, a
+
+
 def _slice_one_tile(op: SeqOp, ls: Sequence[Layout]):
   """slice(concat(a_r, k), [s, e)) = slice(a_t, [s - t*n, e - t*n)) at the ranks
   holding tile t, when [s, e) lies inside tile t of dim k: a layer's weights
@@ -930,6 +941,8 @@ LEMMAS: tuple[Lemma, ...] = (
           "slice(concat(a_r,k)) = concat(slice(a_r),k) if dim k is whole", _slice),
     Lemma("reverse-untiled-dims", frozenset({"reverse"}),
           "reverse(concat(a_r,k), d) = concat(reverse(a_r,d),k) if dim d is whole", _reverse),
+    Lemma("sort-along-untiled-dim", frozenset({"sort"}),
+          "sort(concat(a_r,k), d) = concat(sort(a_r,d),k) if dim d is whole", _sort),
     Lemma("slice-of-one-tile", frozenset({"slice"}),
           "slice(concat(a_r,k), inside tile t) = slice(a_t) at the ranks holding tile t",
           _slice_one_tile),

@@ -517,6 +517,22 @@ def reverse(draw, mesh, seed):
 
 
 @st.composite
+def sort(draw, mesh, seed):
+  """A sort along any dim, tiled ones too (which the lemma must refuse), by
+  a comparator with ties (ascending on the value rounded down) or none."""
+  odd = draw(st.integers(0, 3)) == 0  # a partial or scaled operand, refused
+  a = draw_layout(draw, mesh, draw(st.integers(1, 3)), partial=odd,
+                  scales=SCALES if odd else (1.0,))
+  x = random_values(np.random.default_rng(seed), draw_shape(draw, mesh, a))
+  less = draw(st.sampled_from([lambda p, q: np.floor(p) < np.floor(q), lambda p, q: p > q]))
+  whole = [d for d in range(x.ndim) if not a.dims[d]]
+  dims = whole if whole and draw(st.integers(0, 3)) else list(range(x.ndim))
+  attrs = {"dimension": draw(st.sampled_from(dims)), "is_stable": True,
+           "gg.comparator": less}
+  return Case(seq_op("sort", attrs, [x], list(x.shape), mesh), [a], [x], seed)
+
+
+@st.composite
 def slice_one_tile(draw, mesh, seed):
   """Slices inside one tile of a tiled dim (a layer out of a stage's stack),
   sometimes straddling two tiles or strided, which the lemma must refuse.
@@ -1023,6 +1039,7 @@ GENERATORS = {
     "reduce": reduce,
     "slice-untiled-dims": slice_,
     "reverse-untiled-dims": reverse,
+    "sort-along-untiled-dim": sort,
     "slice-of-one-tile": slice_one_tile,
     "concatenate-other-dim": concatenate,
     "pad-untiled-dims": pad,
