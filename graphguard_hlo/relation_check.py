@@ -60,8 +60,8 @@ class RelationCheck:
 def random_value(t: ir.TensorType, rng: np.random.Generator) -> np.ndarray:
   if t.dtype in ("pred", "i1"):
     return rng.integers(0, 2, t.shape).astype(bool)
-  if reference.is_integer_type(t.dtype):
-    return rng.integers(0, INT_HIGH, t.shape).astype(np.int64)
+  if reference.is_integer_type(t.dtype):  # (in its own type: u64 meets u64 constants)
+    return reference.cast(rng.integers(0, INT_HIGH, t.shape), t.dtype)
   return rng.standard_normal(t.shape) * 0.5
 
 

@@ -86,9 +86,7 @@ def _parse_layout(path, lineno, line, col0, spec, shape, axes, aliases) -> Layou
       raise InputError(path, f"cannot read {item!r}: expected dimK=AXIS[,AXIS], "
                        "partial=AXIS[,AXIS], orderK=CHUNK,CHUNK[,...] or replicated",
                        lineno, col + 1)
-    # (the mesh's own names first: a user's axis may be called a1)
-    names = tuple(a if axes is None or a in axes else aliases.get(a, a)
-                  for a in m.group(3).split(","))
+    names = tuple(_axis(path, lineno, col, a, axes, aliases) for a in m.group(3).split(","))
     unknown = [a for a in names if axes is not None and a not in axes]
     if unknown:
       raise InputError(path, f"unknown mesh axis {unknown[0]!r} (mesh axes: "
@@ -106,6 +104,19 @@ def _parse_layout(path, lineno, line, col0, spec, shape, axes, aliases) -> Layou
   if not layout.is_valid() or not layout.is_plain():  # (plain: no axis tiles two dims)
     raise InputError(path, "an axis is used twice in one layout", lineno, col0 + 1)
   return layout.with_(order=tuple(order.items())) if order else layout
+
+
+def _axis(path, lineno, col, name: str, axes, aliases) -> str:
+  """The mesh axis a relation's ``name`` means: one of the mesh's own, or
+  through an alias; an axis of the user's mesh the program does not hold as
+  one axis is refused (it must not fall through to XLA's name alike)."""
+  if name in aliases and aliases[name] is None:
+    raise InputError(path, f"mesh axis {name!r} is not one axis of the partitioned program "
+                     "(XLA cut it finer or joined it with another, or it has size 1; its axes: "
+                     f"{', '.join(axes or ())}, as the report names them)", lineno, col + 1)
+  if axes is None or name in axes:
+    return name
+  return aliases.get(name) or name
 
 
 def _chunk_order(path, lineno, col, d, chunks, shape, seen) -> tuple[int, ...]:

@@ -231,6 +231,39 @@ def test_a_gspmd_relation_names_the_users_axis_or_xlas_atomic_one(axis):
     verify("1: dim1=a1\n")
 
 
+MESH_3D = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("a", "b", "c"))
+
+
+def test_a_gspmd_output_is_held_to_its_declared_sharding():
+  """A relation saying the rows are split over a where the program splits
+  them over b: XLA's program then returns rows over a, which its declared
+  output sharding (over b) must refuse (an audit's false proof: the output
+  sharding was not read off XLA's module, so any clean layout was taken)."""
+  def f(x, w):
+    return jnp.tanh(x) @ w
+  x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+  def verify(relation):
+    return gg.verify(f, f, x, x, mesh=MESH_3D, in_specs=(P("b"), P()), out_specs=P("b"),
+                     relation=relation)
+  assert verify("0: dim0=b\n").refines
+  result = verify("0: dim0=a\n")
+  assert not result.refines
+  assert "laid out as concat[dim0:a](out@r) but the distributed module declares " \
+      "concat[dim0:b](out@r)" in result.failure.diagnosis
+
+
+def test_an_axis_of_the_users_mesh_named_like_xlas_is_never_read_as_xlas():
+  """The user's axis a0, which the program does not cut on its own (XLA
+  joins it with y as its atomic a1), is refused, not read as XLA's a0 (x)."""
+  from graphguard_hlo.errors import InputError
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("x", "a0", "y"))
+  f = lambda v: jnp.tanh(v)
+  v = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+  with pytest.raises(InputError, match="mesh axis 'a0' is not one axis of the partitioned"):
+    gg.verify(f, f, v, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"),
+              relation="0: dim0=a0\n")
+
+
 @pytest.mark.parametrize("pair, refines", [("tp_mlp__shard_map__ok", True),
                                            ("tp_mlp__shard_map__missing_allreduce", False)])
 def test_verify_files_checks_relations_when_asked(pair, refines):
@@ -242,17 +275,18 @@ def test_verify_files_checks_relations_when_asked(pair, refines):
 
 
 def test_unsupported_ops_are_named_and_treated_as_opaque():
-  """sort has no lemma: on replicas it is the same function, so this proves, and
+  """fft has no lemma: on replicas it is the same function, so this proves, and
   the report names it; on a tiled operand it cannot be related."""
   from graphguard_hlo.report import to_text
   def f(x, w1, w2):
-    return jnp.sort(mlp(x, w1, w2), axis=0)
-  body = lambda x, w1, w2: jnp.sort(jax.lax.psum(jnp.tanh(x @ w1) @ w2, "tp"), axis=0)
+    return jnp.abs(jnp.fft.rfft(mlp(x, w1, w2), axis=0))
+  body = lambda x, w1, w2: jnp.abs(jnp.fft.rfft(jax.lax.psum(jnp.tanh(x @ w1) @ w2, "tp"),
+                                                axis=0))
   result = gg.verify(f, shard_map(body, mesh=MESH, in_specs=SPECS, out_specs=P()), *ARGS,
                      mesh=MESH, in_specs=SPECS)
   assert result.refines
   assert "note: unsupported op treated as opaque" in to_text(result, "s", "d")
-  assert any(o.startswith("sort at ") for o in result.stats["opaque_ops"])
+  assert any(o.startswith("fft at ") for o in result.stats["opaque_ops"])
 
 
 def test_check_relations_holds_the_proofs_relations_against_numbers():

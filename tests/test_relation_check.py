@@ -148,3 +148,14 @@ def test_interpreter_wraps_integers_as_xla_does(dtype):
   g = lower_sequential(fn, i).main
   got = Interpreter(1).run(g, [[i]])[g.results[0].id][0]
   np.testing.assert_array_equal(got, np.asarray(jax.jit(fn)(i)))
+
+
+@pytest.mark.parametrize("dtype, numpy_type", [("i32", np.int32), ("ui8", np.uint8),
+                                               ("ui64", np.uint64), ("i1", np.bool_)])
+def test_random_inputs_are_drawn_in_their_own_type(dtype, numpy_type):
+  """An int64 array meeting a u64 constant cannot even be or-ed in numpy (an
+  audit's crash under jax_enable_x64), and an i32 held in int64 never wraps."""
+  from graphguard_hlo import ir
+  from graphguard_hlo.relation_check import random_value
+  x = random_value(ir.TensorType((3, 4), dtype), np.random.default_rng(0))
+  assert x.dtype == numpy_type and x.shape == (3, 4)

@@ -62,6 +62,11 @@ def load_hlo_proto(path: str, data: bytes) -> ir.Module:
     raise InputError(path, f"not a valid HLO proto: {first}") from None
   loaded = load_hlo_text(path, text)
   loaded.format = "hlo_proto"
+  # The outputs' sharding, which the text prints nowhere after partitioning
+  # (the root has none): without it any clean output layout would do.
+  out = module.spmd_output_sharding
+  if out is not None and "mhlo.spmd_output_sharding" not in loaded.attrs:
+    loaded.attrs["mhlo.spmd_output_sharding"] = str(xla_client.HloSharding.from_proto(out))
   return loaded
 
 
