@@ -41,6 +41,12 @@ def to_text(result: Result, seq_path: str, dist_path: str) -> str:
                  f"{note}")
   if len(opaque) > 10:
     lines.append(f"  note: ... and {len(opaque) - 10} more opaque ops")
+  undeclared = s.get("undeclared_outputs") or []
+  if result.refines and undeclared:
+    lines.append(f"  note: DIST declares no sharding for output(s) "
+                 f"{', '.join(map(str, undeclared))} (an HLO text dump records none): each is "
+                 "proved laid out as shown above, not checked against the sharding you asked "
+                 "for")
   if s:
     lines.append(f"  ({s.get('seq_ops_checked', 0)} sequential ops checked against "
                  f"{s.get('dist_ops', 0)} per-device ops, mesh {s.get('mesh')})")

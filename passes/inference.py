@@ -509,7 +509,10 @@ class RelationInference:
     return {"opaque_ops": [f"{op.name} at {op.location}" for op in self.opaque_ops],
             "seq_ops": len(self.seq.ops), "seq_ops_checked": processed,
             "dist_ops": len(self.dist.graph.ops), "egraph_nodes": len(self.deg.eg),
-            "lookups": self.lookups, "mesh": dict(self.mesh.axes)}
+            "lookups": self.lookups, "mesh": dict(self.mesh.axes),
+            # (outputs whose layout DIST does not say: any clean one is taken)
+            "undeclared_outputs": [i for i, l in enumerate(self.dist.result_layouts)
+                                   if l is None]}
 
   def _bind_inputs(self) -> None:
     seq_params, dist_params = self.seq.params, self.dist.graph.params

@@ -33,6 +33,8 @@ def test_gspmd_pair_refines(capsys, dist):
   code, out, _ = _run(capsys, seq, d)
   assert code == 0, out
   assert "refines" in out
+  # Only the text dump leaves the output's sharding unsaid, and the report says so.
+  assert ("note: DIST declares no sharding for output(s) 0" in out) == dist.endswith(".txt")
 
 
 def _output_alone_split(tmp_path):
