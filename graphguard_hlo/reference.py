@@ -349,6 +349,74 @@ def top_k(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
   return np.take_along_axis(x, order, axis=-1), order.astype(np.int32)
 
 
+def conv_dims(dimension_numbers: str) -> tuple[tuple[int, ...], ...]:
+  """``#stablehlo.conv<[b, f, 0, 1]x[o, i, 0, 1]->[b, f, 0, 1]>`` as the
+  positions of (batch, feature, spatial...) of the input, (output feature,
+  input feature, spatial...) of the kernel, (batch, feature, spatial...) of
+  the result."""
+  sides = re.findall(r"\[([^\]]*)\]", dimension_numbers)
+  if len(sides) != 3:
+    raise NotImplementedError(f"reference: conv dimension numbers {dimension_numbers!r}")
+  out = []
+  for labels, (first, second) in zip(sides, ("bf", "oi", "bf")):
+    names = [x.strip() for x in labels.split(",")]
+    spatial = sorted((int(x), k) for k, x in enumerate(names) if x.isdigit())
+    out.append((names.index(first), names.index(second)) + tuple(k for _, k in spatial))
+  return tuple(out)
+
+
+def _dilated(x: np.ndarray, dilation: Sequence[int], first_spatial: int = 2) -> np.ndarray:
+  """Zeros between the elements of each spatial dim (``d - 1`` of them)."""
+  for j, d in enumerate(dilation):
+    if d > 1:
+      axis = first_spatial + j
+      shape = list(x.shape)
+      shape[axis] = (shape[axis] - 1) * d + 1 if shape[axis] else 0
+      y = np.zeros(shape, x.dtype)
+      index = [slice(None)] * x.ndim
+      index[axis] = slice(None, None, d)
+      y[tuple(index)] = x
+      x = y
+  return x
+
+
+def convolution(lhs: np.ndarray, rhs: np.ndarray, attrs: dict) -> np.ndarray:
+  """``convolution`` of one feature and batch group (StableHLO's spec): the
+  input dilated and padded, the kernel dilated (and reversed where asked),
+  each output position the sum over input features and the window."""
+  if attrs.get("feature_group_count", 1) != 1 or attrs.get("batch_group_count", 1) != 1:
+    raise NotImplementedError("reference: grouped convolution")
+  lhs_spec, rhs_spec, out_spec = conv_dims(attrs["dimension_numbers"])
+  x = np.transpose(lhs, lhs_spec)  # (b, f, spatial...)
+  k = np.transpose(rhs, rhs_spec)  # (o, i, spatial...)
+  n = x.ndim - 2
+  ones = (1,) * n
+  x = _dilated(x, attrs.get("lhs_dilation") or ones)
+  pads = np.asarray(attrs.get("padding") if attrs.get("padding") is not None
+                    else np.zeros((n, 2), int)).reshape(n, 2)
+  for j, (lo, hi) in enumerate(pads):
+    axis = 2 + j
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (max(int(lo), 0), max(int(hi), 0))
+    x = np.pad(x, widths)
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(max(-int(lo), 0), x.shape[axis] - max(-int(hi), 0))
+    x = x[tuple(index)]
+  k = _dilated(k, attrs.get("rhs_dilation") or ones)
+  for j, flip in enumerate(attrs.get("window_reversal") or ()):
+    if flip:
+      k = np.flip(k, 2 + j)
+  strides = attrs.get("window_strides") or ones
+  window = k.shape[2:]
+  out_sizes = [max((x.shape[2 + j] - window[j]) // strides[j] + 1, 0) for j in range(n)]
+  out = np.zeros((x.shape[0], k.shape[0], *out_sizes), np.result_type(x, k))
+  for offset in np.ndindex(*window):
+    index = (slice(None), slice(None)) + tuple(
+        slice(o, o + (m - 1) * s + 1, s) for o, m, s in zip(offset, out_sizes, strides))
+    out += np.einsum("bi...,oi->bo...", x[index], k[(slice(None), slice(None)) + offset])
+  return np.transpose(out, np.argsort(out_spec))
+
+
 def sort(operands: Sequence[np.ndarray], dimension: int,
          less: Callable[..., bool]) -> list[np.ndarray]:
   """``sort``: every 1-D slice along ``dimension`` of all operands reordered
@@ -504,6 +572,8 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
     return cast(xs[0], result_type.dtype)
   if name == "dot_general":
     return dot_general(xs[0], xs[1], attrs)
+  if name == "convolution":
+    return convolution(xs[0], xs[1], attrs)
   if name == "transpose":
     return np.transpose(xs[0], attrs["permutation"]).copy()
   if name == "reverse":
