@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.layout import Layout, merged_pins, scales_equal
-from graphguard_hlo.reference import dimension_numbers, window_config
+from graphguard_hlo.reference import conv_dims, dimension_numbers, window_config
 
 # -- op classes ----------------------------------------------------------------
 
@@ -199,6 +199,29 @@ def _dot_general(op: SeqOp, ls: Sequence[Layout]):
   dims, contracted = tiling
   partial = tuple(a.partial or b.partial) + tuple(axis_base(x) for x in contracted)
   out = Layout(dims, partial, "sum", a.scale * b.scale)
+  if out.is_valid():
+    yield at, out
+
+
+def _convolution(op: SeqOp, ls: Sequence[Layout]):
+  """conv(concat[x](a_r, f), concat[x](k_r, i)) = sum[x](conv(a_r, k_r)) over
+  input features split alike; the input's batch dim and the kernel's output
+  features keep their split (a data-parallel CNN, output channels split over
+  tp; a kernel's gradient, whose "features" are the images).  Spatial dims
+  are whole: a window reads its neighbours.  One feature and batch group."""
+  a, k = ls
+  at = op.attrs
+  if at.get("feature_group_count", 1) != 1 or at.get("batch_group_count", 1) != 1:
+    return
+  if (a.partial and k.partial) or any(l.partial and l.partial_kind != "sum" for l in ls):
+    return
+  (lb, lf, *lsp), (ko, ki, *ksp), (ob, of, *osp) = conv_dims(at["dimension_numbers"])
+  if any(a.dims[d] for d in lsp) or any(k.dims[d] for d in ksp) or a.dims[lf] != k.dims[ki]:
+    return
+  dims: list[tuple[str, ...]] = [()] * op.result_type.rank
+  dims[ob], dims[of] = a.dims[lb], k.dims[ko]
+  partial = tuple(a.partial or k.partial) + tuple(axis_base(x) for x in a.dims[lf])
+  out = Layout(tuple(dims), partial, "sum", a.scale * k.scale)
   if out.is_valid():
     yield at, out
 
@@ -927,6 +950,9 @@ LEMMAS: tuple[Lemma, ...] = (
     Lemma("dot-general", frozenset({"dot_general"}),
           "dot(concat(a1,a2,1), concat(b1,b2,0)) = dot(a1,b1) + dot(a2,b2), and batch/free "
           "dims keep their tiling", _dot_general),
+    Lemma("convolution", frozenset({"convolution"}),
+          "conv(concat(a_r,f), concat(k_r,i)) = sum_r conv(a_r,k_r); batch and output "
+          "features keep their split; spatial dims whole", _convolution),
     Lemma("transpose", frozenset({"transpose"}),
           "transpose(concat(a_r,k), p) = concat(transpose(a_r,p), p^-1(k))", _transpose),
     Lemma("reshape", frozenset({"reshape"}),

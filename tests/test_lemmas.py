@@ -362,6 +362,53 @@ def dot_general(draw, mesh, seed):
 
 
 @st.composite
+def convolution(draw, mesh, seed):
+  """Logical dims (batch, input features, output features, spatial) are
+  tiled first, each operand and the result then list theirs in a random
+  order; strides, padding (negative too), dilations and window reversal at
+  random.  Sometimes a spatial dim is tiled or the kernel's input features
+  split otherwise, which the lemma must refuse."""
+  n = draw(st.integers(1, 2))
+  axes: dict = {r: [] for r in ("b", "f", "o", "lp", "kp", "none", "s")}
+  for a in draw(st.permutations(mesh.axis_names)):
+    axes[draw(st.sampled_from(["b", "f", "o", "lp", "kp", "none", "none"]
+                              + ["s"] * (draw(st.integers(0, 5)) == 0)))].append(a)
+  spatial = [draw_size(draw, tiles(mesh, axes["s"]) if j == 0 else 1) + 2 for j in range(n)]
+  window = [draw(st.integers(1, 3)) for _ in range(n)]
+  sizes = {r: draw_size(draw, tiles(mesh, axes[r])) for r in "bfo"}
+  lhs = draw(st.permutations(["b", "f"] + list(range(n))))
+  rhs = draw(st.permutations(["o", "i"] + list(range(n))))
+  out = draw(st.permutations(["b", "f"] + list(range(n))))
+  labels = lambda order: "[" + ", ".join(str(x) for x in order) + "]"
+  attrs = {"dimension_numbers": f"#stablehlo.conv<{labels(lhs)}x{labels(rhs)}->{labels(out)}>",
+           "window_strides": tuple(draw(st.integers(1, 2)) for _ in range(n)),
+           "padding": np.array([[draw(st.integers(-1, 2)), draw(st.integers(0, 2))]
+                                for _ in range(n)]),
+           "lhs_dilation": tuple(draw(st.integers(1, 2)) for _ in range(n)),
+           "rhs_dilation": tuple(draw(st.integers(1, 2)) for _ in range(n)),
+           "window_reversal": tuple(draw(st.booleans()) for _ in range(n)),
+           "feature_group_count": 1, "batch_group_count": 1}
+  kernel_in = list(axes["f"])
+  if kernel_in and draw(st.integers(0, 4)) == 0:
+    kernel_in = kernel_in[::-1] if len(kernel_in) > 1 else []
+  lhs_dims = {"b": axes["b"], "f": axes["f"], 0: axes["s"]}
+  rhs_dims = {"o": axes["o"], "i": kernel_in}
+  a = Layout(tuple(tuple(lhs_dims.get(d, ())) for d in lhs), tuple(axes["lp"]), "sum",
+             draw(st.sampled_from(SCALES)))
+  k = Layout(tuple(tuple(rhs_dims.get(d, ())) for d in rhs), tuple(axes["kp"]), "sum",
+             draw(st.sampled_from(SCALES)))
+  lhs_shape = [sizes["b"] if d == "b" else sizes["f"] if d == "f" else spatial[d] for d in lhs]
+  rhs_shape = [sizes["o"] if d == "o" else sizes["f"] if d == "i" else window[d] for d in rhs]
+  rng = np.random.default_rng(seed)
+  values = [rng.standard_normal(lhs_shape), rng.standard_normal(rhs_shape)]
+  result = reference.convolution(*values, attrs)
+  if 0 in result.shape:
+    attrs["padding"] = np.full((n, 2), 2)
+    result = reference.convolution(*values, attrs)
+  return Case(seq_op("convolution", attrs, values, result.shape, mesh), [a, k], values, seed)
+
+
+@st.composite
 def transpose(draw, mesh, seed):
   a = draw_layout(draw, mesh, draw(st.sampled_from([0, 1, 2, 3, 3, 3])))
   x = random_values(np.random.default_rng(seed), draw_shape(draw, mesh, a))
@@ -1032,6 +1079,7 @@ GENERATORS = {
     "select-of-partial-sums": select_of_partial_sums,
     "max-of-partial-max": max_of_partial_max,
     "dot-general": dot_general,
+    "convolution": convolution,
     "transpose": transpose,
     "reshape": reshape,
     "broadcast-in-dim": broadcast_in_dim,
