@@ -36,11 +36,13 @@ _ORDER = re.compile(r"order(\d+)=(\d+(?:,\d+)*)$")
 
 def parse_relation_file(path: str, text: str, shapes: list[tuple[int, ...]],
                         axes: Optional[list[str]],
-                        aliases: Optional[dict[str, str]] = None) -> dict[int, Layout]:
+                        aliases: Optional[dict[str, Optional[str]]] = None
+                        ) -> dict[int, Layout]:
   """Parameter index -> its layout, for parameters of these sequential
   ``shapes`` over a mesh with these ``axes`` (None: any name, for a reader of
   the chunk orders alone).  ``aliases``: other names of axes (XLA's atomic
-  ``a0`` of an axis the program's mesh names ``tp``)."""
+  ``a0`` of an axis the program's mesh names ``tp``), None for names refused
+  (``DistProgram.axis_aliases``)."""
   out: dict[int, Layout] = {}
   # Lines end at "\n" (a "\r" before it is dropped by the strip below), as
   # editors number them; str.splitlines would also break at a lone "\r".

@@ -1,10 +1,16 @@
 """GSPMD sharding strings, mesh inference, replica groups and partition-id arithmetic."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import sympy
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from graphguard_hlo import ir
+from graphguard_hlo.lowering import lower_distributed
+from graphguard_hlo.passes.dist_program import SOURCE_MESH, canonicalize_dist
+from graphguard_hlo.relation_file import parse_relation_file
 from graphguard_hlo.passes import sharding as shd
 from graphguard_hlo.passes.layout import Layout
 from graphguard_hlo.passes.rank_arith import RankArithmetic, rank_symbol
@@ -265,3 +271,17 @@ def test_atomic_axes_keep_their_names_under_a_permuted_or_other_sized_source():
   assert shd.named_after(atomic, _mesh(("dp", 2), ("tp", 2), device_ids=(0, 2, 1, 3))) is atomic
   assert shd.named_after(atomic, _mesh(("dp", 2), ("tp", 4))) is atomic
   assert shd.named_after(atomic, None) is atomic
+
+
+def test_a_users_axis_called_like_an_atomic_one_is_read_as_the_users():
+  """The user's axes (a1, tp) where XLA cuts a0, a1 alike: a relation's a1
+  is the user's a1 (XLA's a0), not XLA's a1, which is tp."""
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a1", "tp"))
+  x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P("a1", "tp")))
+  module = lower_distributed(jnp.tanh, x, out_shardings=NamedSharding(mesh, P("a1", "tp")))
+  assert module.attrs[SOURCE_MESH].axis_names == ("a1", "tp")
+  program = canonicalize_dist(module)
+  assert program.mesh.axis_names == ("a1", "tp")
+  given = parse_relation_file("<r>", "0: dim0=a1\n", [(8, 8)], list(program.mesh.axis_names),
+                              program.axis_aliases)
+  assert given[0].dims == (("a1",), ())
