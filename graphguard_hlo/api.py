@@ -68,7 +68,9 @@ def verify(seq_fn: Callable, dist_fn: Callable, *example_args, mesh=None, in_spe
   if out_specs is not None:
     from jax.sharding import NamedSharding
     import jax
-    out_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs,
+    # (a None leaf: XLA chooses, as jax.jit reads it)
+    out_shardings = jax.tree.map(lambda s: None if s is None else NamedSharding(mesh, s),
+                                 out_specs,
                                  is_leaf=lambda s: s is None or type(s).__name__ == "PartitionSpec")
   seq = lower_sequential(seq_fn, *example_args, name=_name(seq_fn))
   dist = lower_distributed(dist_fn, *dist_args, out_shardings=out_shardings,

@@ -46,8 +46,8 @@ def attrs_key(attrs: dict[str, Any]) -> Hashable:
 
 
 # Ops two of which on the same operands may differ: each draws or moves anew.
-_NOT_SHARED = frozenset({"rng", "rng_bit_generator", "custom_call", "infeed", "outfeed",
-                         "send", "recv"})
+_NOT_SHARED = frozenset({"rng", "rng_bit_generator", "rng_get_and_update_state",
+                         "custom_call", "infeed", "outfeed", "send", "recv"})
 
 
 def region_fingerprint(g: ir.Graph) -> Hashable:

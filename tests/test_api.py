@@ -252,6 +252,17 @@ def test_a_gspmd_output_is_held_to_its_declared_sharding():
       "concat[dim0:b](out@r)" in result.failure.diagnosis
 
 
+def test_an_output_spec_left_none_is_xlas_choice():
+  """``out_specs=(P("x"), None)``: the second output's sharding is XLA's to
+  choose, as jax.jit reads a None leaf (an audit's crash: NamedSharding(mesh, None))."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+  f = lambda a, b: (a @ b, a.sum(0))
+  result = gg.verify(f, f, jax.ShapeDtypeStruct((8, 16), jnp.float32),
+                     jax.ShapeDtypeStruct((16, 8), jnp.float32), mesh=mesh,
+                     in_specs=(P("x", "y"), P("y")), out_specs=(P("x"), None))
+  assert result.refines, to_text(result, "seq", "dist")
+
+
 def test_an_axis_of_the_users_mesh_named_like_xlas_is_never_read_as_xlas():
   """The user's axis a0, which the program does not cut on its own (XLA
   joins it with y as its atomic a1), is refused, not read as XLA's a0 (x)."""
