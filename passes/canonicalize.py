@@ -53,7 +53,7 @@ from typing import Callable, Optional
 
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes import online_softmax, slabs, softmax_backward
-from graphguard_hlo.passes.terms import scalar_of_broadcast
+from graphguard_hlo.passes.terms import EFFECTS, scalar_of_broadcast
 from graphguard_hlo.passes.unit_dims import only_unit_dims_change
 
 Pattern = Callable[[ir.Module, ir.Graph, ir.Op], Optional[ir.Value]]
@@ -927,9 +927,9 @@ def canonicalize_graph(module: ir.Module, graph: ir.Graph, rings: bool = False,
   return rewrites
 
 
-# Ops kept though nobody reads them.  Unlike loop_edits.EFFECTS, rng ops are
-# not here: their draws are opaque to both programs, so a dead one is dead.
-_SIDE_EFFECTS = {"custom_call", "outfeed", "infeed", "send", "recv"}
+# Ops kept though nobody reads them: the effects but rng ops, whose draws are
+# opaque to both programs, so a dead one is dead.
+_SIDE_EFFECTS = EFFECTS - {"rng", "rng_bit_generator"}
 
 
 def _without_dead_ops(ops: list[ir.Op], results: list[ir.Value]) -> list[ir.Op]:

@@ -24,8 +24,8 @@ import numpy as np
 from graphguard_hlo import ir, reference
 from graphguard_hlo.passes.canonicalize import _fresh
 from graphguard_hlo.passes.collectives import COLLECTIVES
-from graphguard_hlo.passes.loop_edits import EFFECTS
 from graphguard_hlo.passes.splice import splice
+from graphguard_hlo.passes.terms import EFFECTS
 
 _CONDITIONALS = ("case", "if")
 _NOT_VALUES = EFFECTS | set(COLLECTIVES) | {"collective_broadcast"}

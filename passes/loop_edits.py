@@ -8,9 +8,8 @@ from typing import Optional
 
 from graphguard_hlo import ir
 from graphguard_hlo.passes.canonicalize import _fresh, drop_dead_ops
-from graphguard_hlo.passes.terms import scalar_of_broadcast
+from graphguard_hlo.passes.terms import EFFECTS, scalar_of_broadcast
 
-EFFECTS = {"custom_call", "outfeed", "infeed", "send", "recv", "rng", "rng_bit_generator"}
 # Ops a loop rewrite never copies: effects, and loops (a copy would need its
 # own proof).
 NOT_COPIED = EFFECTS | {"while", "conditional", "call", "optimization_barrier"}

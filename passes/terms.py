@@ -45,9 +45,13 @@ def attrs_key(attrs: dict[str, Any]) -> Hashable:
   return tuple(sorted((k, freeze(v)) for k, v in attrs.items() if k not in _NON_SEMANTIC))
 
 
-# Ops two of which on the same operands may differ: each draws or moves anew.
-_NOT_SHARED = frozenset({"rng", "rng_bit_generator", "rng_get_and_update_state",
-                         "custom_call", "infeed", "outfeed", "send", "recv"})
+# Ops with effects beyond their results: they draw, read or write anew each
+# time they run (loop rewrites never copy them, conditionals holding them
+# stay conditionals).
+EFFECTS = frozenset({"custom_call", "outfeed", "infeed", "send", "recv", "rng",
+                     "rng_bit_generator"})
+# Ops two of which on the same operands may differ (HLO's rng state read too).
+_NOT_SHARED = EFFECTS | {"rng_get_and_update_state"}
 
 
 def region_fingerprint(g: ir.Graph) -> Hashable:

@@ -25,8 +25,9 @@ loop a reader reads (loops with effects are left alone).
 from __future__ import annotations
 
 from graphguard_hlo import ir
-from graphguard_hlo.passes.loop_edits import EFFECTS, clone_op, drop_dead_carries, \
+from graphguard_hlo.passes.loop_edits import clone_op, drop_dead_carries, \
     needed_carries, replace_uses, used_ids
+from graphguard_hlo.passes.terms import EFFECTS
 
 
 def copy_unsaved_loops(module: ir.Module, dist: ir.Graph) -> int:
