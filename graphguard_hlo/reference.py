@@ -365,21 +365,6 @@ def conv_dims(dimension_numbers: str) -> tuple[tuple[int, ...], ...]:
   return tuple(out)
 
 
-def _dilated(x: np.ndarray, dilation: Sequence[int], first_spatial: int = 2) -> np.ndarray:
-  """Zeros between the elements of each spatial dim (``d - 1`` of them)."""
-  for j, d in enumerate(dilation):
-    if d > 1:
-      axis = first_spatial + j
-      shape = list(x.shape)
-      shape[axis] = (shape[axis] - 1) * d + 1 if shape[axis] else 0
-      y = np.zeros(shape, x.dtype)
-      index = [slice(None)] * x.ndim
-      index[axis] = slice(None, None, d)
-      y[tuple(index)] = x
-      x = y
-  return x
-
-
 def convolution(lhs: np.ndarray, rhs: np.ndarray, attrs: dict) -> np.ndarray:
   """``convolution`` of one feature and batch group (StableHLO's spec): the
   input dilated and padded, the kernel dilated (and reversed where asked),
@@ -391,18 +376,13 @@ def convolution(lhs: np.ndarray, rhs: np.ndarray, attrs: dict) -> np.ndarray:
   k = np.transpose(rhs, rhs_spec)  # (o, i, spatial...)
   n = x.ndim - 2
   ones = (1,) * n
-  x = _dilated(x, attrs.get("lhs_dilation") or ones)
-  pads = np.asarray(attrs.get("padding") if attrs.get("padding") is not None
-                    else np.zeros((n, 2), int)).reshape(n, 2)
-  for j, (lo, hi) in enumerate(pads):
-    axis = 2 + j
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (max(int(lo), 0), max(int(hi), 0))
-    x = np.pad(x, widths)
-    index = [slice(None)] * x.ndim
-    index[axis] = slice(max(-int(lo), 0), x.shape[axis] - max(-int(hi), 0))
-    x = x[tuple(index)]
-  k = _dilated(k, attrs.get("rhs_dilation") or ones)
+  # Dilation is interior padding with zeros (``pad``, which crops negative edges).
+  pads = attrs.get("padding")
+  pads = np.zeros((n, 2), int) if pads is None else np.asarray(pads).reshape(n, 2)
+  x = pad(x, 0, [0, 0, *pads[:, 0]], [0, 0, *pads[:, 1]],
+          [0, 0, *(d - 1 for d in attrs.get("lhs_dilation") or ones)])
+  k = pad(k, 0, [0] * k.ndim, [0] * k.ndim,
+          [0, 0, *(d - 1 for d in attrs.get("rhs_dilation") or ones)])
   for j, flip in enumerate(attrs.get("window_reversal") or ()):
     if flip:
       k = np.flip(k, 2 + j)
