@@ -16,6 +16,7 @@ the collectives depend on the rank and are not here.  ``reduce`` (and
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Callable, Optional, Sequence
@@ -403,7 +404,6 @@ def sort(operands: Sequence[np.ndarray], dimension: int,
   alike, stably, by ``less`` (the comparator region as a function: called on
   the scalars of positions i and j in its parameter order, x0[i], x0[j],
   x1[i], x1[j], ...)."""
-  import functools
   moved = [np.moveaxis(np.asarray(x), dimension, -1) for x in operands]
   out = [m.copy() for m in moved]
   for index in np.ndindex(*moved[0].shape[:-1]):

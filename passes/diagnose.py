@@ -924,11 +924,10 @@ def _along_split_dim_words(inf, op: ir.Op) -> Optional[str]:
   split = [tuple(x for d in dims for x in r.layout.dims[d]) for r in rels]
   if not all(split):
     return None
-  verb = "sorts" if op.name == "sort" else "reverses"
-  return (f"this {op.name} {verb} along dim {', '.join(map(str, dims))}, which its operand "
-          f"holds split over {_axes(dict.fromkeys(a for s in split for a in s))}: each rank "
-          f"would {verb[:-1]} only its own tile (gather the dim first, or {verb[:-1]} "
-          "along another)")
+  return (f"this {op.name} {op.name}s along dim {', '.join(map(str, dims))}, which its "
+          f"operand holds split over {_axes(dict.fromkeys(a for s in split for a in s))}: each "
+          f"rank would {op.name} only its own tile (gather the dim first, or {op.name} along "
+          "another)")
 
 
 def _random_counter_words(op: ir.Op) -> Optional[str]:

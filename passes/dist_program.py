@@ -214,7 +214,7 @@ def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:
       a: b for a, b in zip(atomic.axis_names, mesh.axis_names) if a != b}
   source = module.attrs.get(SOURCE_MESH)
   if source is not None:  # (the user's own axis a0 is never XLA's a0)
-    named = {b for a, b in zip(atomic.axis_names, mesh.axis_names) if a != b}
+    named = set(aliases.values())
     aliases.update((a, None) for a in source.axis_names if a not in named)
   return DistProgram(module, g, mesh, param_layouts, result_layouts, "spmd",
                      axis_aliases=aliases)
