@@ -27,6 +27,7 @@ before anything is compared:
   transpose(all_to_all(x, k -> k), p)     -> reshape(transpose(all_to_all(x, k -> c), p))
   all_to_all(reshape(v), k -> c)          -> reshape(all_to_all(v, s -> c'))
   reduce over size-1 dims (identity init) -> reshape
+  pad adding no room                      -> its operand
   add of zero pads into adjacent slabs    -> pad(concat(..)) (slabs.py)
   x.at[i].set(u), i constant, x slabs     -> pad(concat(..)) (slabs.py)
   reshape(x)[i], the reshape splitting k  -> reshape(x[i*n:(i+1)*n]) (slabs.py)
@@ -61,7 +62,11 @@ Pattern = Callable[[ir.Module, ir.Graph, ir.Op], Optional[ir.Value]]
 
 def _identity_shape_op(module, graph, op) -> Optional[ir.Value]:
   # (A sharding constraint only annotates: a model with them, lowered as the
-  # sequential program, keeps them as ops.)
+  # sequential program, keeps them as ops.  jax pads a max pool's operand
+  # for its gradient even when the padding is none.)
+  if op.name == "pad" and not any(any(op.attrs[k]) for k in (
+      "edge_padding_low", "edge_padding_high", "interior_padding")):
+    return op.operands[0]
   if op.name in ("reshape", "broadcast_in_dim", "convert", "copy", "slice",
                  "sdy.sharding_constraint") and len(op.operands) == 1:
     x = op.operands[0]

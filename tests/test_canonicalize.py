@@ -81,6 +81,23 @@ def test_identity_ops_vanish_and_double_reshape_merges():
   _check(m, g, [np.arange(24.0).reshape(4, 6)], ["reshape"])
 
 
+@pytest.mark.parametrize("low, high, interior, vanishes", [
+    ((0, 0), (0, 0), (0, 0), True),
+    ((-1, 0), (1, 0), (0, 0), False),  # the same shape, shifted
+    ((0, 0), (0, 1), (0, 0), False)])
+def test_a_pad_adding_no_room_is_its_operand(low, high, interior, vanishes):
+  m, g = _graph([_t(3, 4)])
+  zero = _op(m, g, "constant", [], _t(), value=np.array(0.0, np.float32))
+  shape = [n + lo + hi for n, lo, hi in zip((3, 4), low, high)]
+  g.results = [_op(m, g, "pad", [g.params[0], zero], _t(*shape), edge_padding_low=low,
+                   edge_padding_high=high, interior_padding=interior)]
+  x = np.arange(12.0).reshape(3, 4)
+  before = _run(g, [x])
+  canonicalize_graph(m, g)
+  assert (g.results[0] is g.params[0]) == vanishes
+  np.testing.assert_array_equal(_run(g, [x])[0], before[0])
+
+
 def test_iota_becomes_broadcast_of_a_line():
   m, g = _graph([])
   g.results = [_op(m, g, "iota", [], _t(4, 5, dtype="i32"), iota_dimension=1)]
