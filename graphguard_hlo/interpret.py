@@ -11,7 +11,7 @@ computed from them, unknown.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -96,6 +96,12 @@ class Interpreter:
       per_rank = [reference.sort([a[k] for a in args], attrs["dimension"], less)
                   for k in range(self.ranks)]
       return [[sorted_[j] for sorted_ in per_rank] for j in range(len(op.results))]
+    elif name == "select_and_scatter":
+      kind = reducer_kind(op.regions[1])
+      if kind is None:
+        raise Unsupported("select_and_scatter's scatter")
+      attrs = dict(attrs, **{"gg.select": _scalar_function(op.regions[0], "select"),
+                             "gg.reduction": kind})
     elif name == "chlo.top_k":
       per_rank = [reference.top_k(a, attrs["k"]) for a in args[0]]
       return [[v for v, _ in per_rank], [i for _, i in per_rank]]
@@ -153,22 +159,29 @@ class Interpreter:
     return out
 
 
-def _comparator(region: ir.Graph):
-  """A sort's comparator region as a function of its scalars (it reads
-  nothing but its parameters and constants)."""
+def _scalar_function(region: ir.Graph, what: str) -> Callable[..., np.ndarray]:
+  """A region that reads nothing but its parameters and constants (a sort's
+  comparator, a select_and_scatter's select) as a function of its
+  parameters; elementwise, so it takes arrays as well as scalars."""
   if any(op.regions or len(op.results) != 1 for op in region.ops):
-    raise Unsupported("sort comparator")
+    raise Unsupported(what)
 
-  def less(*scalars) -> bool:
-    env = {p.id: np.asarray(x) for p, x in zip(region.params, scalars)}
+  def run(*xs) -> np.ndarray:
+    env = {p.id: np.asarray(x) for p, x in zip(region.params, xs)}
     for op in region.ops:
       if any(v.id not in env for v in op.operands):
-        raise Unsupported("sort comparator reads an outer value")
+        raise Unsupported(f"{what} reads an outer value")
       env[op.results[0].id] = reference.evaluate(op.name, op.attrs,
                                                  [env[v.id] for v in op.operands],
                                                  op.results[0].type)
-    return bool(env[region.results[0].id])
-  return less
+    return env[region.results[0].id]
+  return run
+
+
+def _comparator(region: ir.Graph) -> Callable[..., bool]:
+  """A sort's comparator region as a function of its scalars."""
+  run = _scalar_function(region, "sort comparator")
+  return lambda *scalars: bool(run(*scalars))
 
 
 def replica_groups(op: ir.Op, ranks: int) -> list[tuple[int, ...]]:

@@ -11,7 +11,9 @@ the collectives depend on the rank and are not here.  ``reduce`` (and
 ``reduce_window``, ``scatter``) reads its reducer from ``attrs["gg.reduction"]``
 ("sum", "max", "min", "mul"), the form ``inference`` gives it; ``reduce`` takes
 ``[operand, init]``.  ``sort`` reads its comparator as a function from
-``attrs["gg.comparator"]`` (the interpreter runs the region itself).
+``attrs["gg.comparator"]`` (the interpreter runs the region itself), and
+``select_and_scatter`` its select region from ``attrs["gg.select"]``, its
+scatter's reducer from ``attrs["gg.reduction"]``.
 """
 
 from __future__ import annotations
@@ -247,6 +249,40 @@ def reduce_window(x: np.ndarray, init: np.ndarray, attrs: dict, kind: str) -> np
     block = padded[tuple(slice(i * s, i * s + w) for i, s, w in zip(index, strides, window))]
     out[index] = REDUCERS[kind].reduce(block.reshape(-1), initial=fill)
   return out
+
+
+def select_and_scatter(operand: np.ndarray, source: np.ndarray, init: np.ndarray, attrs: dict,
+                       select: Callable, kind: str) -> np.ndarray:
+  """``select_and_scatter`` (max pooling's gradient): each window of the
+  operand (placed as ``reduce_window`` places it) selects one element,
+  scanning the window in row-major order and moving to a later element e
+  whenever ``select(selected, e)`` is false; padding is never selected.  The
+  source element of that window is then combined (``kind``) into the result,
+  an operand-shaped tensor of ``init``, at the selected place.  ``select``
+  takes and returns arrays (every window's scan runs at once)."""
+  if kind not in REDUCERS:
+    raise NotImplementedError(f"reference: select_and_scatter with scatter {kind!r}")
+  operand, source = np.asarray(operand), np.asarray(source)
+  window, strides, pads, _, _ = window_config(attrs, operand.ndim)
+  padded = np.pad(operand, pads)
+  real = np.pad(np.ones(operand.shape, bool), pads)
+  place = np.arange(padded.size).reshape(padded.shape)
+  chosen = held = have = None
+  for offset in np.ndindex(*window):
+    # This offset's element of every window: one array of the source's shape.
+    at = tuple(slice(o, o + k * (n - 1) + 1, k)
+               for o, k, n in zip(offset, strides, source.shape))
+    value, valid, where = padded[at], real[at], place[at]
+    if chosen is None:
+      chosen, held, have = where.copy(), value.copy(), valid.copy()
+      continue
+    move = valid & (~have | ~np.asarray(select(held, value), bool))
+    chosen, held, have = (np.where(move, where, chosen), np.where(move, value, held),
+                          have | valid)
+  flat = np.full(padded.size, np.asarray(init).item(), dtype=np.result_type(source, init))
+  REDUCERS[kind].at(flat, chosen[have], source[have])
+  out = flat.reshape(padded.shape)
+  return out[tuple(slice(lo, lo + n) for (lo, _), n in zip(pads, operand.shape))]
 
 
 _DIM_FIELD = re.compile(r"(\w+) = (\[[^\]]*\]|-?\d+)")
@@ -568,6 +604,9 @@ def evaluate(name: str, attrs: dict, operands: list[np.ndarray],
     return reduce(xs[0], xs[1], attrs["dimensions"], attrs["gg.reduction"])
   if name == "reduce_window":
     return reduce_window(xs[0], xs[1], attrs, attrs["gg.reduction"])
+  if name == "select_and_scatter":
+    return select_and_scatter(xs[0], xs[1], xs[2], attrs, attrs["gg.select"],
+                              attrs["gg.reduction"])
   if name == "slice":
     return slice_(xs[0], attrs["start_indices"], attrs["limit_indices"], attrs["strides"])
   if name == "dynamic_slice":

@@ -616,9 +616,10 @@ class RelationInference:
 
   def seq_op(self, op: ir.Op) -> SeqOp:
     """What lemmas read of a sequential op, with the facts they cannot see
-    for themselves: a reduce's (or scatter's) reducer, a pad's constant padding
-    value, a scatter's constant base; and for a broadcast, the shapes of the
-    per-device program's broadcasts of its operand (``SeqOp.tile_shapes``)."""
+    for themselves: a reduce's (or scatter's, or select_and_scatter's
+    scatter's) reducer, a pad's constant padding value, a scatter's
+    constant base; and for a broadcast, the shapes of the per-device
+    program's broadcasts of its operand (``SeqOp.tile_shapes``)."""
     attrs = dict(op.attrs)
     if op.name in ("reduce", "reduce_window", "scatter") and op.regions:
       attrs["gg.reduction"] = reducer_kind(op.regions[0])
@@ -626,6 +627,8 @@ class RelationInference:
       attrs["gg.padding_value"] = self.splats[op.operands[1].id]
     if op.name == "scatter" and op.operands[0].id in self.splats:
       attrs["gg.base_value"] = self.splats[op.operands[0].id]
+    if op.name == "select_and_scatter":
+      attrs["gg.reduction"] = reducer_kind(op.regions[1])
     return SeqOp(op.name, attrs, tuple(v.type for v in op.operands),
                  op.results[0].type if op.results else ir.TensorType((), "none"), self.mesh,
                  self.transfer.rings, self._broadcast_tiles(op))

@@ -672,6 +672,31 @@ def _reduce_window(op: SeqOp, ls: Sequence[Layout]):
   yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, a
 
 
+def _select_and_scatter(op: SeqOp, ls: Sequence[Layout]):
+  """select_and_scatter(concat(a_r,k), concat(s_r,k), i) =
+  concat(select_and_scatter(a_r, s_r, i), k) when the window along every
+  tiled dim k is one element, unstrided and unpadded: each rank's windows,
+  and the places they select, lie in its own tile (max pooling's gradient
+  with the images split over dp).  The operand is a clean whole value (the
+  select compares its elements), the source tiled as it.  A scatter that
+  adds is linear in the source and init together (the init fills the
+  result, the source adds), so their common partial sum and scale pass to
+  the result."""
+  a, s, init = ls
+  if a.filled or a.order or s.with_(partial=(), scale=1.0) != a:
+    return  # (so the operand has no sum or scale: the source alone may)
+  if init != Layout((), s.partial, s.partial_kind, s.scale):
+    return
+  if (s.partial or not s.is_clean()) and (
+      s.partial_kind != "sum" or op.attrs.get("gg.reduction") != "sum"):
+    return
+  window, strides, pads, _, _ = window_config(op.attrs, a.rank)
+  if any(axes and (window[d], strides[d], pads[d]) != (1, 1, (0, 0))
+         for d, axes in enumerate(a.dims)):
+    return
+  yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, s
+
+
 def _index_batch_dims(rank: int, index_vector_dim: int) -> list[int]:
   """The dims of gather's or scatter's indices that number the rows."""
   return [d for d in range(rank) if d != index_vector_dim]
@@ -986,6 +1011,10 @@ LEMMAS: tuple[Lemma, ...] = (
     Lemma("reduce-window-untiled-dims", frozenset({"reduce_window"}),
           "reduce_window(concat(a_r,k)) = concat(reduce_window(a_r),k) if the window "
           "along k is one element", _reduce_window),
+    Lemma("select-and-scatter-untiled-dims", frozenset({"select_and_scatter"}),
+          "select_and_scatter(concat(a_r,k), concat(s_r,k)) = concat(select_and_scatter(a_r, "
+          "s_r),k) if the window along k is one element; linear in s if it adds into 0",
+          _select_and_scatter),
     Lemma("gather-split-rows-or-whole-slices", frozenset({"gather"}),
           "gather(a, concat(i_r,k)) = concat(gather(a, i_r),k'); gather(concat(a_r,j), i) = "
           "concat(gather(a_r, i),j') if slices take dim j whole", _gather),

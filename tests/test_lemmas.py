@@ -169,6 +169,8 @@ def local_attrs(op: SeqOp, attrs: dict) -> dict:
   lemma's attrs do not spell (``gg.reduction`` is added by ``inference``)."""
   if op.name in ("reduce", "reduce_window", "scatter"):
     return {**attrs, "gg.reduction": op.attrs["gg.reduction"]}
+  if op.name == "select_and_scatter":
+    return {**attrs, "gg.reduction": op.attrs["gg.reduction"], "gg.select": op.attrs["gg.select"]}
   return attrs
 
 
@@ -729,6 +731,54 @@ def reduce_window(draw, mesh, seed):
               [x, init], seed)
 
 
+@st.composite
+def select_and_scatter(draw, mesh, seed):
+  """Max (or min) pooling's gradient: windows along untiled dims, mostly
+  trivial along tiled ones, the source laid out as the operand with a
+  partial sum or scale of its own and the init sharing them (or not), the
+  scatter adding or taking the maximum; values rounded so windows tie.
+  Windows along a tiled dim (two straddling tiles, a pool, a prefix), a
+  partial or scaled operand, a partial or scaled source that is not added,
+  an init without the source's sum and scale, the lemma must refuse."""
+  a = nearby(draw, mesh, draw_layout(draw, mesh, draw(st.integers(1, 3)), partial=False,
+                                     scales=(1.0,)), p_keep=0.8)
+  rng = np.random.default_rng(seed)
+  x = np.round(2 * random_values(rng, draw_shape(draw, mesh, a)))
+  window, strides, pads = [], [], []
+  for n, axes in zip(x.shape, a.dims):
+    how = draw(st.sampled_from(["one"] * 3 + ["shifted", "pooled", "prefix"])) if axes \
+        else "other"
+    if how == "one" or (how == "pooled" and n % 2):
+      w, k, p = 1, 1, (0, 0)
+    elif how == "shifted":  # windows of two straddling tiles, as many as elements
+      w, k, p = 2, 1, draw(st.sampled_from([(1, 0), (0, 1)]))
+    elif how == "pooled":
+      w, k, p = 2, 2, (0, 0)
+    elif how == "prefix":
+      w, k, p = n, 1, (n - 1, 0)
+    else:
+      w, k = draw(st.integers(1, n)), draw(st.integers(1, 3))
+      p = (draw(st.integers(0, w - 1)), draw(st.integers(0, w - 1)))
+    window.append(w); strides.append(k); pads.append(p)
+  kind = draw(st.sampled_from(["sum", "sum", "max"]))
+  attrs = {"window_dimensions": tuple(window), "window_strides": tuple(strides),
+           "padding": np.array(pads, dtype=np.int64), "gg.reduction": kind,
+           "gg.select": draw(st.sampled_from([np.greater_equal, np.less_equal]))}
+  out = reference.reduce_window(x, np.array(0.0), {**attrs, "gg.reduction": "sum"}, "sum").shape
+  s = a.with_(partial=(), scale=1.0)
+  free = [n for n in mesh.axis_names if n not in a.split_axes()]
+  if free and draw(st.integers(0, 2)):
+    s = s.with_(partial=tuple(draw(st.lists(st.sampled_from(free), min_size=1, unique=True))))
+  s = s.with_(scale=draw(st.sampled_from(SCALES)))
+  source = random_values(rng, out)
+  init = np.array(draw(st.sampled_from([0.0, 0.0, 1.5])))
+  i = draw(st.sampled_from([Layout((), s.partial, s.partial_kind, s.scale),
+                            Layout((), s.partial, s.partial_kind, s.scale),
+                            Layout.replicated(0)]))
+  return Case(seq_op("select_and_scatter", attrs, [x, source, init], x.shape, mesh),
+              [a, nearby(draw, mesh, s, p_keep=0.85), i], [x, source, init], seed)
+
+
 def _offsets(draw, shape, sizes, layout_of_offset):
   """Start indices as rank-0 values, sometimes out of bounds (StableHLO clamps)."""
   values = [np.array(float(draw(st.integers(-1, n - k + 1)))) for n, k in zip(shape, sizes)]
@@ -1093,6 +1143,7 @@ GENERATORS = {
     "pad-untiled-dims": pad,
     "pad-into-one-tile": pad_into_one_tile,
     "reduce-window-untiled-dims": reduce_window,
+    "select-and-scatter-untiled-dims": select_and_scatter,
     "gather-split-rows-or-whole-slices": gather,
     "gather-from-table-tiles": gather_from_table_tiles,
     "scatter-add-split-rows": scatter,
