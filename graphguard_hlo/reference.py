@@ -403,12 +403,19 @@ def conv_dims(dimension_numbers: str) -> tuple[tuple[int, ...], ...]:
 
 
 def convolution(lhs: np.ndarray, rhs: np.ndarray, attrs: dict) -> np.ndarray:
-  """``convolution`` of one feature and batch group (StableHLO's spec): the
-  input dilated and padded, the kernel dilated (and reversed where asked),
-  each output position the sum over input features and the window."""
-  if attrs.get("feature_group_count", 1) != 1 or attrs.get("batch_group_count", 1) != 1:
-    raise NotImplementedError("reference: grouped convolution")
+  """``convolution`` (StableHLO's spec).  With ``feature_group_count`` g
+  (or ``batch_group_count``), the input's features (or batch) and the
+  kernel's output features are cut into g blocks, block j convolved with
+  block j, the results concatenated along the output features.  One group:
+  the input dilated and padded, the kernel dilated (and reversed where
+  asked), each output position the sum over input features and the window."""
   lhs_spec, rhs_spec, out_spec = conv_dims(attrs["dimension_numbers"])
+  one = {**attrs, "feature_group_count": 1, "batch_group_count": 1}
+  for key, lhs_dim in (("feature_group_count", lhs_spec[1]), ("batch_group_count", lhs_spec[0])):
+    groups = attrs.get(key, 1)
+    if groups != 1:
+      return np.concatenate([convolution(x, k, one) for x, k in zip(
+          np.split(lhs, groups, lhs_dim), np.split(rhs, groups, rhs_spec[0]))], out_spec[1])
   x = np.transpose(lhs, lhs_spec)  # (b, f, spatial...)
   k = np.transpose(rhs, rhs_spec)  # (o, i, spatial...)
   n = x.ndim - 2
@@ -427,7 +434,7 @@ def convolution(lhs: np.ndarray, rhs: np.ndarray, attrs: dict) -> np.ndarray:
   window = k.shape[2:]
   out_sizes = [max((x.shape[2 + j] - window[j]) // strides[j] + 1, 0) for j in range(n)]
   out = np.zeros((x.shape[0], k.shape[0], *out_sizes), np.result_type(x, k))
-  for offset in np.ndindex(*window):
+  for offset in np.ndindex(*window) if out.size else ():  # (an empty slice's end wraps)
     index = (slice(None), slice(None)) + tuple(
         slice(o, o + (m - 1) * s + 1, s) for o, m, s in zip(offset, out_sizes, strides))
     out += np.einsum("bi...,oi->bo...", x[index], k[(slice(None), slice(None)) + offset])
