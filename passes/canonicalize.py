@@ -28,6 +28,7 @@ before anything is compared:
   all_to_all(reshape(v), k -> c)          -> reshape(all_to_all(v, s -> c'))
   reduce over size-1 dims (identity init) -> reshape
   pad adding no room                      -> its operand
+  reverse along size-1 dims only          -> its operand
   add of zero pads into adjacent slabs    -> pad(concat(..)) (slabs.py)
   x.at[i].set(u), i constant, x slabs     -> pad(concat(..)) (slabs.py)
   reshape(x)[i], the reshape splitting k  -> reshape(x[i*n:(i+1)*n]) (slabs.py)
@@ -67,6 +68,9 @@ def _identity_shape_op(module, graph, op) -> Optional[ir.Value]:
   if op.name == "pad" and not any(any(op.attrs[k]) for k in (
       "edge_padding_low", "edge_padding_high", "interior_padding")):
     return op.operands[0]
+  if op.name == "reverse" and all(op.operands[0].type.shape[d] == 1
+                                  for d in op.attrs["dimensions"]):
+    return op.operands[0]  # (XLA folds a 1 x 1 kernel's flip in a gradient)
   if op.name in ("reshape", "broadcast_in_dim", "convert", "copy", "slice",
                  "sdy.sharding_constraint") and len(op.operands) == 1:
     x = op.operands[0]

@@ -98,6 +98,17 @@ def test_a_pad_adding_no_room_is_its_operand(low, high, interior, vanishes):
   np.testing.assert_array_equal(_run(g, [x])[0], before[0])
 
 
+@pytest.mark.parametrize("dims, vanishes", [((), True), ((1, 2), True), ((0, 1), False)])
+def test_a_reverse_along_size_one_dims_is_its_operand(dims, vanishes):
+  m, g = _graph([_t(3, 1, 1)])
+  g.results = [_op(m, g, "reverse", [g.params[0]], _t(3, 1, 1), dimensions=dims)]
+  x = np.arange(3.0).reshape(3, 1, 1)
+  before = _run(g, [x])
+  canonicalize_graph(m, g)
+  assert (g.results[0] is g.params[0]) == vanishes
+  np.testing.assert_array_equal(_run(g, [x])[0], before[0])
+
+
 def test_iota_becomes_broadcast_of_a_line():
   m, g = _graph([])
   g.results = [_op(m, g, "iota", [], _t(4, 5, dtype="i32"), iota_dimension=1)]
