@@ -207,23 +207,42 @@ def _convolution(op: SeqOp, ls: Sequence[Layout]):
   """conv(concat[x](a_r, f), concat[x](k_r, i)) = sum[x](conv(a_r, k_r)) over
   input features split alike; the input's batch dim and the kernel's output
   features keep their split (a data-parallel CNN, output channels split over
-  tp; a kernel's gradient, whose "features" are the images).  Spatial dims
-  are whole: a window reads its neighbours.  One feature and batch group."""
+  tp; a kernel's gradient, whose "features" are the images).  Feature groups
+  (a depthwise or grouped convolution) split with the kernel's output
+  features: each rank convolves its own groups; batch groups (such a
+  convolution's kernel gradient) alike with the input's batch.  Spatial
+  dims are whole: a window reads its neighbours."""
   a, k = ls
   at = op.attrs
-  if at.get("feature_group_count", 1) != 1 or at.get("batch_group_count", 1) != 1:
-    return
   if (a.partial and k.partial) or any(l.partial and l.partial_kind != "sum" for l in ls):
     return
   (lb, lf, *lsp), (ko, ki, *ksp), (ob, of, *osp) = conv_dims(at["dimension_numbers"])
-  if any(a.dims[d] for d in lsp) or any(k.dims[d] for d in ksp) or a.dims[lf] != k.dims[ki]:
+  if any(a.dims[d] for d in lsp) or any(k.dims[d] for d in ksp):
     return
-  dims: list[tuple[str, ...]] = [()] * op.result_type.rank
-  dims[ob], dims[of] = a.dims[lb], k.dims[ko]
-  partial = tuple(a.partial or k.partial) + tuple(axis_base(x) for x in a.dims[lf])
+  groups = k.dims[ko]  # the output features' tiling, which grouped dims follow
+  n = math.prod(op.mesh.axis_size(x) for x in groups)
+  local, dims = dict(at), [()] * op.result_type.rank
+  dims[of] = groups
+  if at.get("feature_group_count", 1) != 1:
+    g = at["feature_group_count"]
+    if a.dims[lf] != groups or k.dims[ki] or g % n:
+      return
+    local["feature_group_count"] = g // n
+    dims[ob], contracted = a.dims[lb], ()
+  elif at.get("batch_group_count", 1) != 1:
+    g = at["batch_group_count"]
+    if a.dims[lb] != groups or a.dims[lf] != k.dims[ki] or g % n:
+      return
+    local["batch_group_count"] = g // n
+    contracted = a.dims[lf]
+  else:
+    if a.dims[lf] != k.dims[ki]:
+      return
+    dims[ob], contracted = a.dims[lb], a.dims[lf]
+  partial = tuple(a.partial or k.partial) + tuple(axis_base(x) for x in contracted)
   out = Layout(tuple(dims), partial, "sum", a.scale * k.scale)
   if out.is_valid():
-    yield at, out
+    yield local, out
 
 
 def _transpose(op: SeqOp, ls: Sequence[Layout]):
@@ -977,7 +996,8 @@ LEMMAS: tuple[Lemma, ...] = (
           "dims keep their tiling", _dot_general),
     Lemma("convolution", frozenset({"convolution"}),
           "conv(concat(a_r,f), concat(k_r,i)) = sum_r conv(a_r,k_r); batch and output "
-          "features keep their split; spatial dims whole", _convolution),
+          "features keep their split, feature or batch groups split with the output "
+          "features; spatial dims whole", _convolution),
     Lemma("transpose", frozenset({"transpose"}),
           "transpose(concat(a_r,k), p) = concat(transpose(a_r,p), p^-1(k))", _transpose),
     Lemma("reshape", frozenset({"reshape"}),

@@ -364,12 +364,69 @@ def dot_general(draw, mesh, seed):
 
 
 @st.composite
+def grouped_convolution(draw, mesh, seed):
+  """A depthwise or grouped convolution (feature groups), or such a
+  convolution's kernel gradient (batch groups): the groups split over some
+  axes with the kernel's output features, the other dims tiled as the
+  ungrouped lemma allows.  Sometimes the group count is not a multiple of
+  the split, the kernel's input features are tiled in feature groups, or
+  the grouped dim is split but not the output features, which the lemma
+  must refuse."""
+  by = draw(st.sampled_from(["feature", "batch"]))
+  axes: dict = {r: [] for r in ("g", "b", "c", "i", "lp", "kp", "none")}
+  for a in draw(st.permutations(mesh.axis_names)):
+    axes[draw(st.sampled_from(["g", "g", "b" if by == "feature" else "c", "lp", "kp", "none"]
+                              + ["i", "i"] * (by == "feature" and draw(st.booleans()))))
+         ].append(a)
+  n = tiles(mesh, axes["g"])
+  groups = n * draw(st.integers(1, 2)) if n == 1 or draw(st.integers(0, 2)) else n + 1
+  per_group = lambda: n // math.gcd(n, groups) * draw(st.integers(1, 2))  # divisible sizes
+  cin, cout = per_group(), per_group()
+  if by == "feature":
+    cin *= tiles(mesh, axes["i"])  # the kernel's inputs split: refused
+    lhs_dims, rhs_dims = {"b": axes["b"], "f": axes["g"]}, {"o": axes["g"], "i": axes["i"]}
+    sizes = {"b": draw_size(draw, tiles(mesh, axes["b"])), "f": groups * cin, "i": cin}
+  else:
+    c = draw_size(draw, tiles(mesh, axes["c"]))
+    sizes = {"b": groups * cin, "f": c, "i": c}
+    lhs_dims, rhs_dims = {"b": axes["g"], "f": axes["c"]}, {"o": axes["g"], "i": axes["c"]}
+    if draw(st.integers(0, 3)) == 0:
+      rhs_dims["i"] = []  # contracted features split on the input only: refused
+  if draw(st.integers(0, 3)) == 0:
+    rhs_dims["o"] = []  # the groups split on the input only: refused
+  sizes["o"] = groups * cout
+  lhs = draw(st.permutations(["b", "f", 0]))
+  rhs = draw(st.permutations(["o", "i", 0]))
+  out = draw(st.permutations(["b", "f", 0]))
+  labels = lambda order: "[" + ", ".join(str(x) for x in order) + "]"
+  attrs = {"dimension_numbers": f"#stablehlo.conv<{labels(lhs)}x{labels(rhs)}->{labels(out)}>",
+           "window_strides": (draw(st.integers(1, 2)),),
+           "padding": np.array([[draw(st.integers(0, 1)), draw(st.integers(0, 1))]]),
+           "feature_group_count": groups if by == "feature" else 1,
+           "batch_group_count": groups if by == "batch" else 1}
+  a = Layout(tuple(tuple(lhs_dims.get(d, ())) for d in lhs), tuple(axes["lp"]), "sum",
+             draw(st.sampled_from(SCALES)))
+  k = Layout(tuple(tuple(rhs_dims.get(d, ())) for d in rhs), tuple(axes["kp"]), "sum",
+             draw(st.sampled_from(SCALES)))
+  spatial, window = draw(st.integers(2, 5)), draw(st.integers(1, 2))
+  lhs_shape = [spatial if d == 0 else sizes[d] for d in lhs]
+  rhs_shape = [window if d == 0 else sizes[d] for d in rhs]
+  rng = np.random.default_rng(seed)
+  values = [rng.standard_normal(lhs_shape), rng.standard_normal(rhs_shape)]
+  result = reference.convolution(*values, attrs)
+  return Case(seq_op("convolution", attrs, values, result.shape, mesh), [a, k], values, seed)
+
+
+@st.composite
 def convolution(draw, mesh, seed):
   """Logical dims (batch, input features, output features, spatial) are
   tiled first, each operand and the result then list theirs in a random
   order; strides, padding (negative too), dilations and window reversal at
   random.  Sometimes a spatial dim is tiled or the kernel's input features
-  split otherwise, which the lemma must refuse."""
+  split otherwise, which the lemma must refuse.  A quarter are grouped
+  (and ``test_grouped_convolutions_are_sound`` draws more)."""
+  if draw(st.integers(0, 3)) == 0:
+    return draw(grouped_convolution(mesh, seed))
   n = draw(st.integers(1, 2))
   axes: dict = {r: [] for r in ("b", "f", "o", "lp", "kp", "none", "s")}
   for a in draw(st.permutations(mesh.axis_names)):
@@ -1225,6 +1282,24 @@ def test_lemma_is_sound(name):
 
   check()
   assert hits["target"] >= 0.2 * hits["cases"], (name, hits)
+
+
+def test_grouped_convolutions_are_sound():
+  """The convolution lemma's grouped cases on their own, more of them: each
+  refusal (groups not a multiple of the split, the kernel's inputs split,
+  the groups or the contracted features split on one operand only) needs
+  its rare draw met."""
+  hits = {"cases": 0, "target": 0}
+
+  @settings(SETTINGS, max_examples=400)
+  @given(meshes(), st.integers(0, 2**32 - 1), st.data())
+  def check(mesh, seed, data):
+    hits["cases"] += 1
+    if "convolution" in check_case(data.draw(grouped_convolution(mesh, seed))):
+      hits["target"] += 1
+
+  check()
+  assert hits["target"] >= 0.3 * hits["cases"], hits
 
 
 @st.composite
