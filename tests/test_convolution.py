@@ -3,7 +3,9 @@ split over dp) and tensor parallel (output channels split over tp, the next
 convolution contracting them), forward and gradients, under shard_map and
 GSPMD, each with every relation held on numbers; a gradient not averaged
 over dp and an image split along its rows (a window needs its neighbours'
-rows) refused.  The reference convolution is held against XLA's."""
+rows) refused.  A depthwise-separable block (MobileNet's), data parallel
+and with its channels split over tp.  The reference convolution, grouped
+too, is held against XLA's."""
 
 import inspect
 
@@ -64,6 +66,16 @@ def _verify(seq, dist, *args, **kw):
                                            dimension_numbers=("NWC", "WIO", "NWC")),
      (jax.ShapeDtypeStruct((2, 10, 3), jnp.float32), jax.ShapeDtypeStruct((3, 3, 4),
                                                                            jnp.float32))),
+    (lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME", feature_group_count=3),
+     (jax.ShapeDtypeStruct((2, 6, 8, 8), jnp.float32),
+      jax.ShapeDtypeStruct((9, 2, 3, 3), jnp.float32))),
+    (jax.grad(lambda x, k: jnp.sum(jnp.sin(lax.conv_general_dilated(
+        x, k, (1, 1), "SAME", feature_group_count=6))), argnums=(0, 1)),
+     (jax.ShapeDtypeStruct((2, 6, 8, 8), jnp.float32),
+      jax.ShapeDtypeStruct((12, 1, 3, 3), jnp.float32))),
+    (lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "VALID", batch_group_count=2),
+     (jax.ShapeDtypeStruct((4, 3, 6, 6), jnp.float32),
+      jax.ShapeDtypeStruct((4, 3, 3, 3), jnp.float32))),
 ])
 def test_the_reference_convolves_as_xla_does(fn, args):
   rng = np.random.default_rng(0)
@@ -133,3 +145,70 @@ def test_images_split_along_their_rows_are_refused_at_the_convolution():
                                           out_specs=rows), K1, IMAGES)
   assert not result.refines and result.failure.op_name == "convolution"
   assert result.failure.location.line == inspect.getsourcelines(conv)[1] + 1
+
+
+DW = jax.ShapeDtypeStruct((8, 1, 3, 3), jnp.float32)
+PW = jax.ShapeDtypeStruct((4, 8, 1, 1), jnp.float32)
+FEATURES = jax.ShapeDtypeStruct((8, 8, 8, 8), jnp.float32)
+
+
+def separable(dw, pw, x):
+  """A depthwise 3 x 3 convolution (one group per channel), then a
+  pointwise one; its kernel gradients are a batch-grouped convolution and
+  a 1 x 1 kernel's flip."""
+  y = lax.conv_general_dilated(x, dw, (1, 1), "SAME", feature_group_count=x.shape[1])
+  return lax.conv_general_dilated(jax.nn.relu(y), pw, (1, 1), "VALID")
+
+
+separable_grads = jax.grad(lambda dw, pw, x: jnp.mean(separable(dw, pw, x) ** 2), argnums=(0, 1))
+
+
+def dp_separable_grads(dw, pw, x):
+  return jax.tree.map(lambda g: lax.pmean(g, "dp"), separable_grads(dw, pw, x))
+
+
+def tp_separable(dw, pw, x):
+  """Each rank convolves its own channels, depthwise; the pointwise
+  convolution contracts them, a partial sum reduced once."""
+  return lax.psum(separable(dw, pw, x), "tp")
+
+
+def tp_separable_grads(dw, pw, x):
+  return jax.grad(lambda dw, pw: jnp.mean(tp_separable(dw, pw, x) ** 2), argnums=(0, 1))(dw, pw)
+
+
+SEPARABLE_TP = (P("tp"), P(None, "tp"), P(None, "tp"))
+
+
+@pytest.mark.parametrize("style", ["shard_map", "gspmd"])
+def test_a_depthwise_separable_block_is_proved_data_and_tensor_parallel(style):
+  dp_in, out = (P(), P(), P("dp")), (P("tp"), P(None, "tp"))
+  runs = [(separable, separable, MESH, dp_in, P("dp")),
+          (separable_grads, dp_separable_grads, MESH, dp_in, (P(), P())),
+          (separable, tp_separable, TP, SEPARABLE_TP, P()),
+          (separable_grads, tp_separable_grads, TP, SEPARABLE_TP, out)]
+  for seq, dist, mesh, specs, out_specs in runs:
+    if style == "shard_map":
+      result = _verify(seq, shard_map(dist, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                                      check_vma=dist is not dp_separable_grads), DW, PW,
+                       FEATURES)
+    else:
+      result = _verify(seq, seq, DW, PW, FEATURES, mesh=mesh, in_specs=specs,
+                       out_specs=out_specs)
+    assert result.refines, to_text(result, "seq", "dist")
+
+
+def test_a_depthwise_block_without_its_psum_over_tp_is_reported():
+  result = _verify(separable, shard_map(separable, mesh=TP, in_specs=SEPARABLE_TP,
+                                        out_specs=P(), check_vma=False), DW, PW, FEATURES)
+  assert not result.refines
+  assert "partial sum over 'tp' never reduced (missing all-reduce)" in result.failure.diagnosis
+
+
+def test_depthwise_gradients_not_averaged_over_dp_are_reported():
+  result = _verify(separable_grads, shard_map(separable_grads, mesh=MESH,
+                                              in_specs=(P(), P(), P("dp")),
+                                              out_specs=(P(), P()), check_vma=False),
+                   DW, PW, FEATURES)
+  assert not result.refines
+  assert "partial sum over 'dp' never reduced (missing all-reduce)" in result.failure.diagnosis
