@@ -185,7 +185,29 @@ def _scale_origin_words(inf, v: ir.Value, start, members: dict) -> str:
   scale = _scale_words(r.layout.scale, inf.mesh)
   return (f"; it is off by a factor since the per-device {_dname(origin)} at "
           f"{origin.producer.location}, where "
-          + scale.replace("the sequential one", f"the sequential {_seq_name(inf, sid)}", 1))
+          + scale.replace("the sequential one", f"the sequential {_seq_name(inf, sid)}", 1)
+          + _autodiff_sum_words(origin.producer))
+
+
+# jax's name for the sum autodiff makes of the cotangents of a value that
+# shard_map's varying-axis check (check_vma) marks the same on every rank.
+_AUTODIFF_SUM = re.compile(r"transpose\(.*\)/psum_invariant$")
+
+
+def _autodiff_sum_words(op: ir.Op) -> str:
+  """'; that all_reduce is jax's own ...': the sum that went undivided was
+  written by no one, so the words say who made it.  Under shard_map with
+  check_vma, the gradient of an input replicated over an axis is summed over
+  it by autodiff; a loss averaged over each rank's own rows makes every
+  rank's gradient its share times the axis size, and a pmean of the
+  gradients after does not undo the sum (it averages equal values)."""
+  if op.name != "all_reduce" or not _AUTODIFF_SUM.search(op.location.op_name or ""):
+    return ""
+  axes = _axes(op.attrs.get("gg.axes") or ())
+  return (f"; that all_reduce is jax's own: under shard_map's check_vma, autodiff sums "
+          f"over {axes} the gradient of an input replicated over {axes}, so each rank's "
+          f"loss must be its share of the whole (average it with lax.pmean over {axes} "
+          f"before differentiating, not the gradients after)")
 
 
 def _axes_of_reordered_groups(op: ir.Op, mesh) -> Optional[tuple[str, ...]]:

@@ -162,3 +162,28 @@ def test_a_psum_transposed_without_check_vma_is_named_by_its_constant():
   assert result.failure.op_name == "dot_general"
   assert "the constant 4 where the sequential dot_general reads 1 (|tp| = 4 times" \
       in result.failure.diagnosis, result.failure.diagnosis
+
+
+def _data_parallel_grad(loss_of):
+  """The gradient of a weight replicated over dp, images split over dp,
+  under shard_map's check_vma (jax's default)."""
+  w, x = jnp.ones((16, 8)) / 16, jnp.arange(128.0).reshape(8, 16) / 128
+  loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+  dist = shard_map(lambda w, x: jax.grad(loss_of(loss))(w, x), mesh=mesh_of((4,), ("dp",)),
+                   in_specs=(P(), P("dp")), out_specs=P())
+  return verify(jax.grad(loss), dist, w, x)
+
+
+def test_a_sum_autodiff_made_under_check_vma_is_named_as_jaxs():
+  """A loss averaged over each rank's own rows, its gradient then pmean'd:
+  jax's autodiff has already summed the replicated weight's gradient over
+  dp, so it is 4 times the whole.  The sum no one wrote is named as jax's,
+  with the fix; a loss pmean'd before differentiating is proved."""
+  assert _data_parallel_grad(lambda loss: lambda w, x: lax.pmean(loss(w, x), "dp")).refines
+  result = _data_parallel_grad(lambda loss: loss)
+  words = result.failure.diagnosis
+  assert not result.refines
+  assert "the distributed value is 4 times the sequential one" in words, words
+  assert ("that all_reduce is jax's own: under shard_map's check_vma, autodiff sums over "
+          "'dp' the gradient of an input replicated over 'dp'") in words, words
+  assert "average it with lax.pmean over 'dp' before differentiating" in words
