@@ -160,10 +160,12 @@ def infer_mesh(shardings: Iterable[HloSharding], num_devices: int,
         cuts.update((stride, stride * size))
   for groups in extra_groups:
     for g in groups:
-      for a, b in zip(g, g[1:]):
-        step = abs(b - a)
+      steps = {abs(b - a) for a, b in zip(g, g[1:])}
+      for step in steps:
         if step and num_devices % step == 0:
           cuts.add(step)
+      if len(steps) == 1 and num_devices % (step * len(g)) == 0:
+        cuts.add(step * len(g))  # one axis, evenly strided: it ends there (an axis' minor part)
   cuts.update(extra_strides)
   ordered = sorted(c for c in cuts if num_devices % c == 0)
   for lo, hi in zip(ordered, ordered[1:]):
@@ -174,6 +176,29 @@ def infer_mesh(shardings: Iterable[HloSharding], num_devices: int,
     axes.append(hi // lo)
   axes.reverse()  # major to minor
   return Mesh(tuple((f"a{i}", s) for i, s in enumerate(axes)))
+
+
+def prime_strides(mesh: Mesh) -> set[int]:
+  """The strides of ``mesh`` with every axis cut into prime factors, smaller
+  ones minor (``a1`` of 4 at stride 1 -> strides 1, 2): the finest mesh the
+  same devices spell, on which XLA's moves between parts of axes (an
+  axis' halves swapped with another axis) are moves between axes."""
+  out = set()
+  for _, size, stride in _strided(mesh):
+    p = 2
+    while size > 1:
+      while size % p == 0:
+        out.add(stride)
+        stride, size = stride * p, size // p
+      p += 1
+  return out
+
+
+def permutes_read(pairs: Sequence[Sequence[tuple[int, int]]], mesh: Mesh) -> bool:
+  """Can every collective-permute's pairs be read on ``mesh`` (as a shift or
+  permutation of one axis, or as a renaming of axes)?"""
+  return all(axes_of_pairs(p, mesh) is not None or axis_renaming_of_pairs(p, mesh) is not None
+             for p in pairs)
 
 
 def named_after(mesh: Mesh, source: Optional[Mesh]) -> Mesh:
@@ -251,10 +276,13 @@ def layout_from_sdy(sh: SdySharding, rank: int) -> Layout:
 
 
 def group_axes(groups: Sequence[Sequence[int]], mesh: Mesh) -> Optional[tuple[str, ...]]:
-  """The mesh axes a collective's replica groups run over, major to minor.
+  """The mesh axes a collective's replica groups run over, major to minor in
+  the order the groups list their ranks: a gather or all-to-all concatenates
+  shards in that order, so (z, x) is a tiling of z major, x minor, whatever
+  the mesh's order (XLA lists its groups so for a dim split ``("z", "x")``).
 
   ``None`` when the groups are not exactly "all devices that differ only on
-  these axes", or when a group lists its devices in another order (which would
+  these axes", or when a group lists them in no axis order (which would
   concatenate shards out of order).
   """
   devices = mesh.devices()
@@ -267,22 +295,28 @@ def group_axes(groups: Sequence[Sequence[int]], mesh: Mesh) -> Optional[tuple[st
       return None
     coords = np.array([coord_of[d] for d in g]).reshape(len(g), -1)
     varying = tuple(n for i, n in enumerate(names) if len(set(coords[:, i])) > 1)
-    if axes_seen is None:
-      axes_seen = varying
-    elif varying != axes_seen:
+    if len(g) != math.prod(mesh.axis_size(a) for a in varying):
       return None
-    sizes = [mesh.axis_size(a) for a in varying]
-    if len(g) != math.prod(sizes):
+    order = _listing_order(coords, varying, names)
+    if order is None or (axes_seen is not None and order != axes_seen):
       return None
-    # Must enumerate the axes in row-major order.
-    idx = [names.index(a) for a in varying]
-    expect = sorted(range(len(g)), key=lambda k: tuple(coords[k, i] for i in idx))
-    if expect != list(range(len(g))):
-      return None
+    axes_seen = order
     covered.update(g)
   if len(covered) != mesh.size:
     return None
   return axes_seen or ()
+
+
+def _listing_order(coords: np.ndarray, varying: tuple[str, ...], names: tuple[str, ...]
+                   ) -> Optional[tuple[str, ...]]:
+  """The order of ``varying`` axes in which a group's ranks (their mesh
+  coordinates, one row each) are listed row-major; the mesh's order first."""
+  for order in itertools.permutations(varying):
+    idx = [names.index(a) for a in order]
+    listed = sorted(range(len(coords)), key=lambda k: tuple(coords[k, i] for i in idx))
+    if listed == list(range(len(coords))):
+      return order
+  return None
 
 
 def axis_renaming_of_pairs(pairs: Sequence[tuple[int, int]], mesh: Mesh

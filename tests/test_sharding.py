@@ -74,6 +74,41 @@ def test_replica_groups_to_axes():
   assert shd.group_axes([[1, 0, 2, 3], [4, 5, 6, 7]], mesh) is None
 
 
+def test_replica_groups_are_read_in_the_order_they_list_the_axes():
+  """A group listing (z, x) row-major, z major, runs over ("z", "x"): a
+  gather concatenates z-major (XLA's groups for a dim split ("z", "x"))."""
+  mesh = ir.Mesh((("x", 2), ("y", 2), ("z", 2)))
+  assert shd.group_axes([[0, 4, 1, 5], [2, 6, 3, 7]], mesh) == ("z", "x")
+  assert shd.group_axes([[0, 1, 4, 5], [2, 3, 6, 7]], mesh) == ("x", "z")
+  assert shd.group_axes([[0, 4, 2, 6, 1, 5, 3, 7]], mesh) == ("z", "y", "x")
+  # Groups must agree on the order, and list their ranks in some order of axes.
+  assert shd.group_axes([[0, 4, 1, 5], [2, 3, 6, 7]], mesh) is None
+  assert shd.group_axes([[0, 5, 1, 4], [2, 7, 3, 6]], mesh) is None
+
+
+def test_an_evenly_strided_group_cuts_the_mesh_where_it_ends():
+  """Groups {0, 1}, {2, 3}, ... on a 2 x 4 mesh run over the minor half of
+  the axis of 4: the mesh is cut at stride 2 too."""
+  tiles = [shd.parse_hlo_sharding("{devices=[2,4]<=[8]}")]
+  assert shd.infer_mesh(tiles, 8).axes == (("a0", 2), ("a1", 4))
+  mesh = shd.infer_mesh(tiles, 8, [((0, 1), (2, 3), (4, 5), (6, 7))])
+  assert mesh.axes == (("a0", 2), ("a1", 2), ("a2", 2))
+  assert shd.group_axes(((0, 1), (2, 3), (4, 5), (6, 7)), mesh) == ("a2",)
+  # Unevenly strided groups add their steps only.
+  assert shd.infer_mesh(tiles, 8, [((0, 1, 4, 5), (2, 3, 6, 7))]).axes == (
+      ("a0", 2), ("a1", 4))
+
+
+def test_prime_strides_cut_every_axis_into_its_prime_factors():
+  assert shd.prime_strides(ir.Mesh((("x", 2), ("y", 4)))) == {1, 2, 4}
+  assert shd.prime_strides(ir.Mesh((("x", 12),))) == {1, 2, 4}
+  assert shd.prime_strides(ir.Mesh((("x", 3), ("y", 2)))) == {1, 2}
+  # A cycle of three halves is a renaming on the finest mesh, and nothing on 2 x 4.
+  pairs = ((0, 0), (1, 4), (2, 1), (3, 5), (4, 2), (5, 6), (6, 3), (7, 7))
+  assert not shd.permutes_read([pairs], ir.Mesh((("x", 2), ("y", 4))))
+  assert shd.permutes_read([pairs], ir.Mesh((("a0", 2), ("a1", 2), ("a2", 2))))
+
+
 def test_collective_permute_pairs():
   mesh = ir.Mesh((("dp", 2), ("tp", 4)))
   axis, perm = shd.axes_of_pairs([(0, 1), (1, 2), (2, 3), (3, 0), (4, 5), (5, 6), (6, 7),
