@@ -193,8 +193,17 @@ def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:
                    if s is not None and s.kind == "tiled"]
             + [max(grp) + 1 for gs in groups for grp in gs if grp])
     module.num_partitions = n
-    mesh = shd.infer_mesh([s for s in param_sh + result_sh if s is not None], n, groups,
-                          _partition_id_strides(g, n))
+    tiled = [s for s in param_sh + result_sh if s is not None]
+    strides = _partition_id_strides(g, n)
+    mesh = shd.infer_mesh(tiled, n, groups, strides)
+    pairs = [op.attrs.get("source_target_pairs", ()) for op in g.walk()
+             if op.name == "collective_permute"]
+    if not shd.permutes_read(pairs, mesh):
+      # XLA moves parts of axes (resharding P("x", "y") to P(("y", "x"))):
+      # read its permutes on the finest mesh, when they read there.
+      finer = shd.infer_mesh(tiled, n, groups, strides | shd.prime_strides(mesh))
+      if shd.permutes_read(pairs, finer):
+        mesh = finer
     atomic, mesh = mesh, shd.named_after(mesh, module.attrs.get(SOURCE_MESH))
     param_layouts = [
         None if s is None else shd.layout_from_hlo_sharding(s, mesh, v.type.rank)
