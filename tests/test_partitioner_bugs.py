@@ -42,6 +42,15 @@ def test_regroup_replaces_the_groups_in_either_spelling(nth):
       "{{0,1,2,3},{4,5,6,7}}" if nth == 0 else "mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", "G")
 
 
+def test_regroup_replaces_a_mesh_whose_device_ids_are_a_transposed_iota():
+  line = ("  %all-to-all = f32[2,4,4]{2,1,0} all-to-all(%r), channel_id=1, "
+          "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) "
+          "{'axis_0':(2)2}, dimensions={0}")
+  (old, new), = _changed(line, partitioner_bugs.regroup("all-to-all", 0, ((0, 2),)).apply(line))
+  assert new == ("  %all-to-all = f32[2,4,4]{2,1,0} all-to-all(%r), channel_id=1, "
+                 "replica_groups={{0,2}}, dimensions={0}")
+
+
 _GATHERS = """  %p = f32[4]{0} parameter(0)
   %all-gather = f32[8]{0} all-gather(%p), channel_id=1, replica_groups=[4,2]<=[8], dimensions={0}, use_global_device_ids=true
   %all-reduce = f32[8]{0} all-reduce(%all-gather), channel_id=2, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add

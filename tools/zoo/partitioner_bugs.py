@@ -28,7 +28,9 @@ from graphguard_hlo import ir
 _ALL_REDUCE = re.compile(r"^(\s*(?:ROOT )?%\S+ = [^=]*?) all-reduce\((%[^,()]+)\), (.*)$")
 _METADATA = re.compile(r"metadata=\{[^{}]*\}")
 # XLA's three spellings of replica groups: listed, a mesh and its axes, an iota.
-_GROUPS = re.compile(r"replica_groups=(\{\{[^=]*?\}\}|\{\}|mesh\[[^\]]*\](?:, device_ids=\([^)]*\))?"
+# (A mesh's device ids may be an iota with its own transpose: ``([2,2,2]T(0,2,1))``.)
+_GROUPS = re.compile(r"replica_groups=(\{\{[^=]*?\}\}|\{\}|mesh\[[^\]]*\]"
+                     r"(?:, device_ids=\((?:[^()]|\([^()]*\))*\))?"
                      r" \{[^}]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
 
 
