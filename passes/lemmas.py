@@ -671,32 +671,50 @@ def _dynamic_update_slice(op: SeqOp, ls: Sequence[Layout]):
   yield op.attrs, a
 
 
+def _windows_stay_in_tiles(op: SeqOp, a: Layout) -> bool:
+  """Does every window of a reduce_window or select_and_scatter lie inside
+  one rank's tile along each tiled dim?  So when it is one element,
+  unstrided and unpadded (a cumulative sum along another dim), or when the
+  windows do not overlap (window <= stride, unpadded) and a whole number of
+  strides fills a tile (a 2 x 2 pool of rows split over ranks, each holding
+  an even number).
+  Undilated either way; chunks reordered before tiling are left alone."""
+  window, strides, pads, base_dilations, window_dilations = window_config(op.attrs, a.rank)
+  local = a.local_shape(op.operand_types[0].shape, op.mesh)
+  ordered = {d for d, _ in a.order}
+  for d, axes in enumerate(a.dims):
+    if not axes:
+      continue
+    if (base_dilations[d], window_dilations[d], pads[d]) != (1, 1, (0, 0)) or local is None:
+      return False
+    if (window[d], strides[d]) != (1, 1) and (
+        window[d] > strides[d] or local[d] % strides[d] or d in ordered or a.filled):
+      return False
+  return True
+
+
 def _reduce_window(op: SeqOp, ls: Sequence[Layout]):
-  """reduce_window(concat(a_r,k)) = concat(reduce_window(a_r),k) when the window
-  along dim k is one element, unstrided and unpadded: a cumulative sum along
-  an untiled dim (jnp.cumsum) is every rank's own.  Each rank combines its
-  own init per window, so the operand is not a partial sum and not scaled.
-  One operand only: a variadic window (an argmax's values and indices) is
-  left alone."""
+  """reduce_window(concat(a_r,k)) = concat(reduce_window(a_r),k) when the
+  windows along dim k stay inside each rank's tile (``_windows_stay_in_tiles``):
+  a cumulative sum along an untiled dim (jnp.cumsum) is every rank's own,
+  and so is a pool of its own rows.  Each rank combines its own init per
+  window, so the operand is not a partial sum and not scaled.  One operand
+  only: a variadic window (an argmax's values and indices) is left alone."""
   if len(ls) != 2:
     return
   a, init = ls
   if a.partial or not a.is_clean() or not init.is_full_replica() or not init.is_clean():
     return
-  window, strides, pads, base_dilations, window_dilations = window_config(op.attrs, a.rank)
-  for d, axes in enumerate(a.dims):
-    if axes and (window[d], strides[d], pads[d], base_dilations[d], window_dilations[d]) != (
-        1, 1, (0, 0), 1, 1):
-      return
-  yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, a
+  if _windows_stay_in_tiles(op, a):
+    yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, a
 
 
 def _select_and_scatter(op: SeqOp, ls: Sequence[Layout]):
   """select_and_scatter(concat(a_r,k), concat(s_r,k), i) =
-  concat(select_and_scatter(a_r, s_r, i), k) when the window along every
-  tiled dim k is one element, unstrided and unpadded: each rank's windows,
-  and the places they select, lie in its own tile (max pooling's gradient
-  with the images split over dp).  The operand is a clean whole value (the
+  concat(select_and_scatter(a_r, s_r, i), k) when the windows along every
+  tiled dim k stay inside each rank's tile (``_windows_stay_in_tiles``):
+  they, and the places they select, are the rank's own (max pooling's
+  gradient with the images split over dp, or their rows in even tiles).  The operand is a clean whole value (the
   select compares its elements), the source tiled as it.  A scatter that
   adds is linear in the source and init together (the init fills the
   result, the source adds), so their common partial sum and scale pass to
@@ -709,11 +727,8 @@ def _select_and_scatter(op: SeqOp, ls: Sequence[Layout]):
   if (s.partial or not s.is_clean()) and (
       s.partial_kind != "sum" or op.attrs.get("gg.reduction") != "sum"):
     return
-  window, strides, pads, _, _ = window_config(op.attrs, a.rank)
-  if any(axes and (window[d], strides[d], pads[d]) != (1, 1, (0, 0))
-         for d, axes in enumerate(a.dims)):
-    return
-  yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, s
+  if _windows_stay_in_tiles(op, a):
+    yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, s
 
 
 def _index_batch_dims(rank: int, index_vector_dim: int) -> list[int]:
@@ -1028,12 +1043,12 @@ LEMMAS: tuple[Lemma, ...] = (
           "dim k", _dynamic_update_slice),
     Lemma("pad-untiled-dims", frozenset({"pad"}), "pad(concat(a_r,k)) = concat(pad(a_r),k) "
           "if dim k is not padded", _pad),
-    Lemma("reduce-window-untiled-dims", frozenset({"reduce_window"}),
-          "reduce_window(concat(a_r,k)) = concat(reduce_window(a_r),k) if the window "
-          "along k is one element", _reduce_window),
-    Lemma("select-and-scatter-untiled-dims", frozenset({"select_and_scatter"}),
+    Lemma("reduce-window-within-tiles", frozenset({"reduce_window"}),
+          "reduce_window(concat(a_r,k)) = concat(reduce_window(a_r),k) if the windows "
+          "along k stay inside tiles", _reduce_window),
+    Lemma("select-and-scatter-within-tiles", frozenset({"select_and_scatter"}),
           "select_and_scatter(concat(a_r,k), concat(s_r,k)) = concat(select_and_scatter(a_r, "
-          "s_r),k) if the window along k is one element; linear in s if it adds into 0",
+          "s_r),k) if the windows along k stay inside tiles; linear in s if it adds",
           _select_and_scatter),
     Lemma("gather-split-rows-or-whole-slices", frozenset({"gather"}),
           "gather(a, concat(i_r,k)) = concat(gather(a, i_r),k'); gather(concat(a_r,j), i) = "

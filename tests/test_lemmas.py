@@ -758,9 +758,9 @@ def pad_into_one_tile(draw, mesh, seed):
 @st.composite
 def reduce_window(draw, mesh, seed):
   """Windows along untiled dims (a cumulative sum's is the whole dim, padded
-  before), mostly trivial along tiled ones; sometimes a window, stride or
-  padding along a tiled dim, a partial or scaled operand, which the lemma
-  must refuse."""
+  before), mostly trivial along tiled ones or pools inside the tiles;
+  sometimes a pool across tiles, a window, stride or padding along a tiled
+  dim, a partial or scaled operand, which the lemma must refuse."""
   a = nearby(draw, mesh, draw_layout(draw, mesh, draw(st.integers(1, 3)), partial=False,
                                      scales=(1.0,)), p_keep=0.6)
   rng = np.random.default_rng(seed)
@@ -769,11 +769,15 @@ def reduce_window(draw, mesh, seed):
   init = np.array({"sum": 0.0, "max": -np.inf, "min": np.inf}[kind])
   window, strides, pads = [], [], []
   for n, axes in zip(x.shape, a.dims):
-    how = draw(st.sampled_from(["one"] * 3 + ["padded", "other"])) if axes else "other"
+    how = draw(st.sampled_from(["one"] * 3 + ["padded", "pooled", "other"])) if axes \
+        else "other"
     if how == "one":
       w, k, p = 1, 1, (0, 0)
     elif how == "padded":
       w, k, p = 1, 1, draw(st.sampled_from([(1, 0), (0, 1), (1, 1)]))
+    elif how == "pooled":  # inside the tiles if they hold a multiple of k, else across;
+      k = draw(st.sampled_from([2, 2, 3]))  # overlapping (w > k) across too
+      w, p = draw(st.sampled_from([k, k, 1, k + 1, 2 * k + 1])), (0, 0)
     elif draw(st.booleans()):
       w, k, p = n, 1, (n - 1, 0)  # jnp.cumsum
     else:
@@ -794,9 +798,10 @@ def select_and_scatter(draw, mesh, seed):
   trivial along tiled ones, the source laid out as the operand with a
   partial sum or scale of its own and the init sharing them (or not), the
   scatter adding or taking the maximum; values rounded so windows tie.
-  Windows along a tiled dim (two straddling tiles, a pool, a prefix), a
-  partial or scaled operand, a partial or scaled source that is not added,
-  an init without the source's sum and scale, the lemma must refuse."""
+  Windows along a tiled dim straddling tiles (two elements, a pool of odd
+  tiles, a prefix), a partial or scaled operand, a partial or scaled source
+  that is not added, an init without the source's sum and scale, the lemma
+  must refuse."""
   a = nearby(draw, mesh, draw_layout(draw, mesh, draw(st.integers(1, 3)), partial=False,
                                      scales=(1.0,)), p_keep=0.8)
   rng = np.random.default_rng(seed)
@@ -805,12 +810,13 @@ def select_and_scatter(draw, mesh, seed):
   for n, axes in zip(x.shape, a.dims):
     how = draw(st.sampled_from(["one"] * 3 + ["shifted", "pooled", "prefix"])) if axes \
         else "other"
-    if how == "one" or (how == "pooled" and n % 2):
+    if how == "one":
       w, k, p = 1, 1, (0, 0)
     elif how == "shifted":  # windows of two straddling tiles, as many as elements
       w, k, p = 2, 1, draw(st.sampled_from([(1, 0), (0, 1)]))
-    elif how == "pooled":
-      w, k, p = 2, 2, (0, 0)
+    elif how == "pooled":  # inside the tiles if they hold a multiple of k, else across;
+      k = draw(st.sampled_from([2, 2, 3]))  # overlapping (w > k) across too
+      w, p = draw(st.sampled_from([k, k, 1, k + 1, 2 * k + 1])), (0, 0)
     elif how == "prefix":
       w, k, p = n, 1, (n - 1, 0)
     else:
@@ -1199,8 +1205,8 @@ GENERATORS = {
     "concatenate-other-dim": concatenate,
     "pad-untiled-dims": pad,
     "pad-into-one-tile": pad_into_one_tile,
-    "reduce-window-untiled-dims": reduce_window,
-    "select-and-scatter-untiled-dims": select_and_scatter,
+    "reduce-window-within-tiles": reduce_window,
+    "select-and-scatter-within-tiles": select_and_scatter,
     "gather-split-rows-or-whole-slices": gather,
     "gather-from-table-tiles": gather_from_table_tiles,
     "scatter-add-split-rows": scatter,
@@ -1431,14 +1437,42 @@ def test_reduce_window_padding_a_tiled_dim_is_refused():
   """Padding along a tiled dim would pad every tile, not the ends of the whole."""
   op, _ = _unit_window(np.arange(4.0), (1, 1))
   steps = apply_lemmas(op, [Layout((("x",),)), Layout.replicated(0)])
-  assert not [s for s in steps if s.lemma == "reduce-window-untiled-dims"]
+  assert not [s for s in steps if s.lemma == "reduce-window-within-tiles"]
+
+
+@pytest.mark.parametrize("n, window, stride, inside", [
+    (8, 2, 2, True),    # a 2-pool of rows, two tiles of 4
+    (8, 1, 2, True),    # every other row
+    (8, 3, 3, False),   # windows [3, 6) straddle the tiles [0, 4), [4, 8)
+    (12, 3, 2, False),  # overlapping windows
+    (8, 5, 2, False),   # overlapping, and as many windows as tiles hold
+    (12, 5, 1, False),
+])
+def test_windows_inside_tiles_and_across(n, window, stride, inside):
+  """Windows along a tiled dim: proved exactly when each lies inside its
+  rank's tile (checked on numbers), refused when one straddles two."""
+  x = np.random.default_rng(0).standard_normal(n)
+  attrs = {"window_dimensions": (window,), "window_strides": (stride,), "base_dilations": (1,),
+           "window_dilations": (1,), "padding": np.array([(0, 0)]), "gg.reduction": "max"}
+  init = np.array(-np.inf)
+  out = reference.reduce_window(x, init, attrs, "max").shape
+  op = seq_op("reduce_window", attrs, [x, init], out, ir.Mesh((("x", 2),)))
+  case = Case(op, [Layout((("x",),)), Layout.replicated(0)], [x, init], 0)
+  assert ("reduce-window-within-tiles" in check_case(case)) == inside
+  s_attrs = {**attrs, "gg.reduction": "sum", "gg.select": np.greater_equal}
+  source = np.random.default_rng(1).standard_normal(out)
+  op = seq_op("select_and_scatter", s_attrs, [x, source, np.array(0.0)], x.shape,
+              ir.Mesh((("x", 2),)))
+  case = Case(op, [Layout((("x",),)), Layout((("x",),)), Layout.replicated(0)],
+              [x, source, np.array(0.0)], 0)
+  assert ("select-and-scatter-within-tiles" in check_case(case)) == inside
 
 
 def test_reduce_window_of_a_partial_max_is_refused():
   """A window's sum of maxima over ranks is not the maximum of the ranks' sums."""
   op, _ = _unit_window(np.arange(4.0), (0, 0))
   steps = apply_lemmas(op, [Layout(((),), ("x",), "max"), Layout.replicated(0)])
-  assert not [s for s in steps if s.lemma == "reduce-window-untiled-dims"]
+  assert not [s for s in steps if s.lemma == "reduce-window-within-tiles"]
 
 
 def test_a_variadic_reduce_window_is_left_alone():

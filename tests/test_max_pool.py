@@ -2,8 +2,9 @@
 max pools, data parallel (images split over dp) and with channels split over
 tp, forward, gradients and an SGD step, under shard_map and GSPMD, each with
 every relation held on numbers; gradients not averaged over dp reported,
-and images split along their rows refused at the pool.  The reference's
-select_and_scatter is held against XLA's, ties included."""
+a 2 x 2 pool of rows split over ranks in even tiles proved, an overlapping
+3 x 3 pool of them refused at the pool.  The reference's select_and_scatter
+is held against XLA's, ties included."""
 
 import inspect
 
@@ -152,3 +153,22 @@ def test_images_split_along_their_rows_are_refused_at_the_pool():
   result = _verify(stem_grad, shard_map(stem_grad, mesh=DP, in_specs=rows, out_specs=rows), y)
   assert not result.refines and result.failure.op_name == "reduce_window"
   assert result.failure.location.line == inspect.getsourcelines(max_pool)[1] + 1
+
+
+def rows_pool_grad(y):
+  """Each rank's rows pooled 2 x 2 and differentiated: no window crosses
+  into a neighbour's rows when each rank holds an even number of them."""
+  return jax.grad(lambda y: jnp.sum(jnp.sin(max_pool(y))))(y)
+
+
+@pytest.mark.parametrize("style", ["shard_map", "gspmd"])
+def test_a_pool_of_rows_split_in_even_tiles_is_proved(style):
+  rows = P(None, None, "dp")
+  y = jax.ShapeDtypeStruct((2, 8, 16, 16), jnp.float32)
+  for fn in (max_pool, rows_pool_grad):
+    out = P(None, None, "dp")
+    if style == "shard_map":
+      result = _verify(fn, shard_map(fn, mesh=DP, in_specs=rows, out_specs=out), y)
+    else:
+      result = _verify(fn, fn, y, mesh=DP, in_specs=(rows,), out_specs=out)
+    assert result.refines, to_text(result, "seq", "dist")
