@@ -677,8 +677,8 @@ def _windows_stay_in_tiles(op: SeqOp, a: Layout) -> bool:
   unstrided and unpadded (a cumulative sum along another dim), or when the
   windows do not overlap (window <= stride, unpadded) and a whole number of
   strides fills a tile (a 2 x 2 pool of rows split over ranks, each holding
-  an even number).
-  Undilated either way; chunks reordered before tiling are left alone."""
+  an even number).  Undilated either way; chunks reordered before tiling
+  are left alone."""
   window, strides, pads, base_dilations, window_dilations = window_config(op.attrs, a.rank)
   local = a.local_shape(op.operand_types[0].shape, op.mesh)
   ordered = {d for d, _ in a.order}
@@ -714,11 +714,11 @@ def _select_and_scatter(op: SeqOp, ls: Sequence[Layout]):
   concat(select_and_scatter(a_r, s_r, i), k) when the windows along every
   tiled dim k stay inside each rank's tile (``_windows_stay_in_tiles``):
   they, and the places they select, are the rank's own (max pooling's
-  gradient with the images split over dp, or their rows in even tiles).  The operand is a clean whole value (the
-  select compares its elements), the source tiled as it.  A scatter that
-  adds is linear in the source and init together (the init fills the
-  result, the source adds), so their common partial sum and scale pass to
-  the result."""
+  gradient with the images split over dp, or their rows in even tiles).
+  The operand is a clean whole value (the select compares its elements),
+  the source tiled as it.  A scatter that adds is linear in the source and
+  init together (the init fills the result, the source adds), so their
+  common partial sum and scale pass to the result."""
   a, s, init = ls
   if a.filled or a.order or s.with_(partial=(), scale=1.0) != a:
     return  # (so the operand has no sum or scale: the source alone may)

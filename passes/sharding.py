@@ -164,7 +164,7 @@ def infer_mesh(shardings: Iterable[HloSharding], num_devices: int,
       for step in steps:
         if step and num_devices % step == 0:
           cuts.add(step)
-      if len(steps) == 1 and num_devices % (step * len(g)) == 0:
+      if len(steps) == 1 and step and num_devices % (step * len(g)) == 0:
         cuts.add(step * len(g))  # one axis, evenly strided: it ends there (an axis' minor part)
   cuts.update(extra_strides)
   ordered = sorted(c for c in cuts if num_devices % c == 0)

@@ -94,6 +94,8 @@ def test_an_evenly_strided_group_cuts_the_mesh_where_it_ends():
   mesh = shd.infer_mesh(tiles, 8, [((0, 1), (2, 3), (4, 5), (6, 7))])
   assert mesh.axes == (("a0", 2), ("a1", 2), ("a2", 2))
   assert shd.group_axes(((0, 1), (2, 3), (4, 5), (6, 7)), mesh) == ("a2",)
+  # A group naming a device twice cuts nothing new (and divides by no zero).
+  assert shd.infer_mesh(tiles, 8, [((0, 0),)]).axes == (("a0", 2), ("a1", 4))
   # Unevenly strided groups add their steps only.
   assert shd.infer_mesh(tiles, 8, [((0, 1, 4, 5), (2, 3, 6, 7))]).axes == (
       ("a0", 2), ("a1", 4))
