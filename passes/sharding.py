@@ -289,7 +289,7 @@ def group_axes(groups: Sequence[Sequence[int]], mesh: Mesh) -> Optional[tuple[st
   coord_of = {int(d): idx for idx, d in np.ndenumerate(devices)}
   names = mesh.axis_names
   axes_seen: Optional[tuple[str, ...]] = None
-  covered = set()
+  covered, listed = set(), 0
   for g in groups:
     if any(d not in coord_of for d in g):
       return None
@@ -302,7 +302,8 @@ def group_axes(groups: Sequence[Sequence[int]], mesh: Mesh) -> Optional[tuple[st
       return None
     axes_seen = order
     covered.update(g)
-  if len(covered) != mesh.size:
+    listed += len(g)
+  if len(covered) != mesh.size or listed != mesh.size:  # (a device in two groups, or twice)
     return None
   return axes_seen or ()
 

@@ -81,6 +81,11 @@ def test_replica_groups_are_read_in_the_order_they_list_the_axes():
   assert shd.group_axes([[0, 4, 1, 5], [2, 6, 3, 7]], mesh) == ("z", "x")
   assert shd.group_axes([[0, 1, 4, 5], [2, 3, 6, 7]], mesh) == ("x", "z")
   assert shd.group_axes([[0, 4, 2, 6, 1, 5, 3, 7]], mesh) == ("z", "y", "x")
+  # Every device in exactly one group, once (an audit's false proof: a
+  # sorted group naming a device twice passed, its sum counting it twice).
+  mesh2 = ir.Mesh((("x", 2), ("y", 4)))
+  assert shd.group_axes([[0, 1, 2, 3], [0, 1, 1, 3], [4, 5, 6, 7]], mesh2) is None
+  assert shd.group_axes([[0, 0, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7]], mesh2) is None
   # Groups must agree on the order, and list their ranks in some order of axes.
   assert shd.group_axes([[0, 4, 1, 5], [2, 3, 6, 7]], mesh) is None
   assert shd.group_axes([[0, 5, 1, 4], [2, 7, 3, 6]], mesh) is None
