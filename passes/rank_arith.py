@@ -134,9 +134,11 @@ class RankArithmetic:
     except NotImplementedError:
       return None
     table = partition_id_table(v, self.mesh.size, aliases=self.aliases)
-    form = None if table is None else table_form(table)
-    if form is None:
+    if table is None:
       return None
+    form = table_form(table)
+    if form is None:
+      return self._linear_in_coordinates(table)
     base, step, block, period = form
     digits = sympy.Integer(0)
     stride = 1
@@ -148,6 +150,23 @@ class RankArithmetic:
         return None  # the table cuts inside a mesh axis
       stride *= size
     return sympy.expand(base + step * digits)
+
+  def _linear_in_coordinates(self, table: np.ndarray) -> Optional[sympy.Expr]:
+    """``base + sum_x c_x * r_x`` if the per-partition ``table`` is that at
+    every partition: XLA's offsets for a dim split over axes in another
+    order than the mesh's (``{0, 4, 8, 12, 2, 6, 10, 14}`` on a 2 x 4 mesh,
+    tiles ``("y", "x")`` of 2 rows), which no one-digit form spells."""
+    coords = np.indices([n for _, n in self.mesh.axes]).reshape(len(self.mesh.axes), -1)
+    base = int(table[0])
+    expr, fitted = sympy.Integer(base), np.full(len(table), base, dtype=np.int64)
+    for (name, n), coord in zip(self.mesh.axes, coords):
+      if n == 1:
+        continue
+      unit = int(np.argmax((coord == 1) & (coords.sum(axis=0) == 1)))  # r_x = 1, others 0
+      c = int(table[unit]) - base
+      expr += c * rank_symbol(name)
+      fitted = fitted + c * coord
+    return sympy.expand(expr) if np.array_equal(fitted, table) else None
 
   def _eval(self, v: ir.Value) -> Optional[sympy.Expr]:
     op = v.producer

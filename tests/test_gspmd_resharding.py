@@ -44,6 +44,10 @@ XY, XYZ = ((2, 4), ("x", "y")), ((2, 2, 2), ("x", "y", "z"))
     (((4, 2), ("x", "y")), P(("y", "x")), P(None, ("x", "y"))),
     (XYZ, P("y", ("z", "x")), P(("x", "y", "z"))),
     (XYZ, P("x", ("z", "y")), P(("z", "y", "x"))),
+    # From whole rows, each rank slices its tile at an offset table no one
+    # axis spells: 2 (2 r_y + r_x).
+    (XY, P(None, None), P(("y", "x"), None)),
+    (XYZ, P("x", None), P("x", ("z", "y"))),
 ])
 def test_an_output_resharded_to_another_axis_order_is_proved(mesh, in_spec, out_spec):
   result = gg.verify(scaled_tanh, scaled_tanh, X, mesh=_mesh(*mesh), in_specs=(in_spec,),

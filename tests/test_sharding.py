@@ -170,6 +170,19 @@ def test_gspmd_offset_table_lookup():
   assert RankArithmetic(mesh).value(looked2) is None
 
 
+def test_an_offset_table_over_axes_in_another_order_is_read_as_their_sum():
+  """XLA's offsets for rows split ("y", "x") on a 2 x 4 mesh (y major):
+  rank 4 r_x + r_y starts at 2 (2 r_y + r_x), a table no one-digit form
+  spells; read as a sum over the coordinates, checked at every partition."""
+  mesh = ir.Mesh((("x", 2), ("y", 4)))
+  m, g = _scalar_module(mesh)
+  pid = _op(m, g, "partition_id", [], "ui32")
+  assert RankArithmetic(mesh).value(_lookup(m, g, [0, 4, 8, 12, 2, 6, 10, 14], pid)) == \
+      4 * rank_symbol("y") + 2 * rank_symbol("x")
+  # One entry off: no sum of coordinates, unknown (never guessed).
+  assert RankArithmetic(mesh).value(_lookup(m, g, [0, 4, 8, 12, 2, 6, 10, 15], pid)) is None
+
+
 def test_collective_permute_with_fixed_points_is_a_full_permutation():
   mesh = ir.Mesh((("x", 4),))
   assert shd.axes_of_pairs([(0, 0), (1, 2), (2, 1), (3, 3)], mesh) == (
