@@ -45,7 +45,8 @@ expand iota lists and ``mesh[...]`` axis groups into that one form.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Optional
+import re
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -192,6 +193,47 @@ def rotated_axis(axis: str, by: int, n: int) -> str:
   """``axis`` (plain or rotated) turned ``by`` more steps on an axis of n ranks."""
   j = (axis_shift(axis) + by) % n
   return axis_base(axis) if j == 0 else f"{axis_base(axis)}{ROTATION_SEP}{j}"
+
+
+# A part of a user's mesh axis that XLA cut finer, named as Shardy names
+# sub-axes: ``y:(2)2`` is the part of size 2 with 2 ranks' worth of ``y``
+# more major than it (so ``y:(1)2`` is the major half of a 4-rank ``y``).
+_SUB_AXIS = re.compile(r"(.+):\((\d+)\)(\d+)$")
+
+
+def sub_axis_name(base: str, pre_size: int, size: int) -> str:
+  return f"{base}:({pre_size}){size}"
+
+
+def sub_axis(name: str) -> Optional[tuple[str, int, int]]:
+  """(base axis, pre-size, size) of a sub-axis name, None for a plain axis."""
+  m = _SUB_AXIS.match(axis_base(name))
+  return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def merged_axis_names(axes: Sequence[str], mesh: Optional["Mesh"]) -> list[str]:
+  """``axes`` with each run of sub-axes that spells a larger part of one axis
+  (``y:(1)2, y:(2)2``) written as that part, or as the axis itself when the
+  run is all of it on ``mesh``: ``y``."""
+  runs: list[Any] = []  # plain names, and [base, pre-size, size] of merged runs
+  for a in axes:
+    part = sub_axis(a) if axis_shift(a) == 0 else None
+    last = runs[-1] if runs else None
+    if part and isinstance(last, list) and part[0] == last[0] and part[1] == last[1] * last[2]:
+      last[2] *= part[2]
+    else:
+      runs.append(list(part) if part else a)
+  return [r if isinstance(r, str) else _sub_axis_text(*r, mesh) for r in runs]
+
+
+def _sub_axis_text(base: str, pre_size: int, size: int, mesh: Optional["Mesh"]) -> str:
+  if mesh is not None and pre_size == 1:
+    whole = 1
+    for part in filter(None, map(sub_axis, mesh.axis_names)):
+      whole *= part[2] if part[0] == base else 1
+    if size == whole:
+      return base
+  return sub_axis_name(base, pre_size, size)
 
 
 @dataclasses.dataclass

@@ -16,8 +16,11 @@ the rest of the layout splits it: load-balanced context parallelism whose
 data loader hands rank r chunks r and 2n-1-r of the sequence.
 
 Axis names are the distributed program's mesh axes (shard_map: yours;
-XLA-partitioned modules: ``a0, a1, ...`` major to minor, as printed by
-``gg-hlo-verify`` in its summary).  Parameters not listed keep the layout
+XLA-partitioned modules: yours when the module records the mesh, else
+``a0, a1, ...`` major to minor, as printed by ``gg-hlo-verify`` in its
+summary).  An axis XLA cut finer may be named whole (``dim0=y``: its parts
+major to minor) or by its parts, as Shardy names them (``y:(1)2`` is the
+major half of a 4-rank ``y``).  Parameters not listed keep the layout
 derived from DIST's shardings.
 """
 
@@ -30,7 +33,8 @@ from graphguard_hlo.errors import InputError
 from graphguard_hlo.passes.layout import Layout
 
 _LINE = re.compile(r"^\s*(\d+)\s*:\s*(.*?)\s*$")
-_ITEM = re.compile(r"(dim(\d+)|partial)=([A-Za-z_][\w]*(?:,[A-Za-z_][\w]*)*)$")
+_NAME = r"[A-Za-z_]\w*(?::\(\d+\)\d+)?"  # an axis, or a sub-axis y:(1)2
+_ITEM = re.compile(rf"(dim(\d+)|partial)=({_NAME}(?:,{_NAME})*)$")
 _ORDER = re.compile(r"order(\d+)=(\d+(?:,\d+)*)$")
 
 
@@ -88,7 +92,8 @@ def _parse_layout(path, lineno, line, col0, spec, shape, axes, aliases) -> Layou
       raise InputError(path, f"cannot read {item!r}: expected dimK=AXIS[,AXIS], "
                        "partial=AXIS[,AXIS], orderK=CHUNK,CHUNK[,...] or replicated",
                        lineno, col + 1)
-    names = tuple(_axis(path, lineno, col, a, axes, aliases) for a in m.group(3).split(","))
+    names = tuple(b for a in m.group(3).split(",")
+                  for b in _axis(path, lineno, col, a, axes, aliases))
     unknown = [a for a in names if axes is not None and a not in axes]
     if unknown:
       raise InputError(path, f"unknown mesh axis {unknown[0]!r} (mesh axes: "
@@ -108,17 +113,18 @@ def _parse_layout(path, lineno, line, col0, spec, shape, axes, aliases) -> Layou
   return layout.with_(order=tuple(order.items())) if order else layout
 
 
-def _axis(path, lineno, col, name: str, axes, aliases) -> str:
-  """The mesh axis a relation's ``name`` means: one of the mesh's own, or
-  through an alias; an axis of the user's mesh the program does not hold as
-  one axis is refused (it must not fall through to XLA's name alike)."""
+def _axis(path, lineno, col, name: str, axes, aliases) -> tuple[str, ...]:
+  """The mesh axes a relation's ``name`` means, major to minor: one of the
+  mesh's own, or through an alias (a user's axis XLA cut finer means its
+  parts); an axis of the user's mesh the program does not hold is refused
+  (it must not fall through to XLA's name alike)."""
   if name in aliases and aliases[name] is None:
     raise InputError(path, f"mesh axis {name!r} is not one axis of the partitioned program "
-                     "(XLA cut it finer or joined it with another, or it has size 1; its axes: "
+                     "(XLA joined it with another, or it has size 1; its axes: "
                      f"{', '.join(axes or ())}, as the report names them)", lineno, col + 1)
   if axes is None or name in axes:
-    return name
-  return aliases.get(name) or name
+    return (name,)
+  return aliases.get(name) or (name,)
 
 
 def _chunk_order(path, lineno, col, d, chunks, shape, seen) -> tuple[int, ...]:

@@ -126,7 +126,7 @@ def _constant_words(inf, op: ir.Op) -> Optional[str]:
     return "; ".join(f"({', '.join(f'{a}={c}' for a, c in zip(names, coord))})"
                      for coord in coords)
   return (f"this {op.name} depends on no input; {_dname(d)} (computed from constants) holds "
-          f"its tiles as {layout.describe('d')} at {at(right)} but not at {at(wrong)} "
+          f"its tiles as {layout.describe('d', inf.mesh)} at {at(right)} but not at {at(wrong)} "
           "(a table with wrong entries, or one for another layout?)")
 
 
@@ -423,7 +423,7 @@ def _made_from_related(inf, dv: ir.Value, seq_of: dict, depth: int = 4) -> str:
 def _path_words(inf, path: list, x: ir.Value, sid: int, r) -> str:
   mesh = inf.mesh
   source = f"{_dname(x)}, which is the sequential {_seq_name(inf, sid)} as " \
-      f"{r.layout.describe('d')}"
+      f"{r.layout.describe('d', mesh)}"
   if len(path) == 1:
     p = path[0]
     shown = [f"{k} {_attr_text(a)}" for k, a in p.attrs.items()
@@ -522,13 +522,13 @@ def _attr_words(inf, op: ir.Op, d_op: ir.Op) -> Optional[str]:
   for step in inf.lemma_steps(op, layouts):
     head = f"the per-device {op.name} at {d_op.location} reads the related operands but"
     if got is not None and got.shape != step.result_type.shape:
-      return (f"{head} gives {got} where {step.layout.describe('d')} needs "
+      return (f"{head} gives {got} where {step.layout.describe('d', inf.mesh)} needs "
               f"{step.result_type} (dims laid out in another order?)")
     differ = sorted(k for k, want in step.attrs.items()
                     if not k.startswith("gg.") and freeze(d_op.attrs.get(k)) != freeze(want))
     if differ:
       shown = "; ".join(f"{k} {_attr_text(d_op.attrs.get(k))} where {_attr_text(step.attrs[k])} "
-                        f"would give {step.layout.describe('d')}" for k in differ)
+                        f"would give {step.layout.describe('d', inf.mesh)}" for k in differ)
       return f"{head} with {shown} (dims or indices in another order?)"
   return None
 
@@ -1072,8 +1072,8 @@ def diagnose_output(inf, i: int, s: ir.Value, d: ir.Value, declared: Optional[La
                       f"{_scale_origin_words(inf, s, r, inf.deg.members())}")
     elif declared is not None and r.layout != declared:
       reordered = r.layout.with_(order=()) == declared
-      problems.append(f"output {i} is laid out as {r.layout.describe('out')} but the "
-                      f"distributed module declares {declared.describe('out')}"
+      problems.append(f"output {i} is laid out as {r.layout.describe('out', inf.mesh)} but the "
+                      f"distributed module declares {declared.describe('out', inf.mesh)}"
                       + (" (its rows' chunks are in another order: put back at the wrong "
                          "offsets?)" if reordered else ""))
   if not mine:

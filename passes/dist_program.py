@@ -39,11 +39,12 @@ class DistProgram:
   rings: frozenset = frozenset()
   # Ring loops unrolled into the Python loop's form (ring_loops.py).
   unrolled_ring_loops: int = 0
-  # Other names of mesh axes a relation file may use: XLA's atomic ones
-  # (a0, ...) of axes named after the mesh the program was written over;
-  # None for an axis of that mesh the program does not hold as one axis
-  # (XLA cut it finer, joined it with another, or it has size 1).
-  axis_aliases: dict[str, Optional[str]] = dataclasses.field(default_factory=dict)
+  # Other names of mesh axes a relation file may use, with the axes they
+  # mean: XLA's atomic ones (a0, ...) of axes named after the mesh the
+  # program was written over; an axis of that mesh XLA cut finer, for its
+  # parts major to minor; None for one the program does not hold (XLA joined
+  # it with another, or it has size 1).
+  axis_aliases: dict[str, Optional[tuple[str, ...]]] = dataclasses.field(default_factory=dict)
 
 
 def is_manual(module: ir.Module) -> bool:
@@ -219,12 +220,15 @@ def _from_spmd(module: ir.Module, num_partitions: Optional[int]) -> DistProgram:
   # Parameters without a sharding on an N-way module are replicated.
   param_layouts = [l if l is not None else Layout.replicated(v.type.rank)
                    for l, v in zip(param_layouts, g.params)]
-  aliases: dict[str, Optional[str]] = {
-      a: b for a, b in zip(atomic.axis_names, mesh.axis_names) if a != b}
+  aliases: dict[str, Optional[tuple[str, ...]]] = {
+      a: (b,) for a, b in zip(atomic.axis_names, mesh.axis_names) if a != b}
   source = module.attrs.get(SOURCE_MESH)
   if source is not None:  # (the user's own axis a0 is never XLA's a0)
-    named = set(aliases.values())
-    aliases.update((a, None) for a in source.axis_names if a not in named)
+    for a in source.axis_names:
+      if a not in mesh.axis_names:
+        parts = sorted((p[1], n) for n in mesh.axis_names
+                       for p in [ir.sub_axis(n)] if p and p[0] == a)
+        aliases[a] = tuple(n for _, n in parts) or None
   return DistProgram(module, g, mesh, param_layouts, result_layouts, "spmd",
                      axis_aliases=aliases)
 

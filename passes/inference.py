@@ -376,7 +376,7 @@ class RelationInference:
   def describe(self, s: ir.Value) -> list[str]:
     if s.id in self.splats:
       return [f"constant splat {self.splats[s.id]:g}"]
-    return [f"{r.layout.describe(self.value_name(r.cls))} [{r.how}]"
+    return [f"{r.layout.describe(self.value_name(r.cls), self.mesh)} [{r.how}]"
             for r in self.relations.get(s.id, [])] + self.sums.describe(s) + \
         self.pieces.describe(s) + self._describe_deferred_broadcast(s)
 
@@ -405,7 +405,7 @@ class RelationInference:
 
   def term_words(self, t: ir.Value) -> str:
     """A term's (or value's) first two relations, as a report lists them."""
-    return " or ".join(r.layout.describe(self.value_name(r.cls))
+    return " or ".join(r.layout.describe(self.value_name(r.cls), self.mesh)
                        for r in self.whole_relations(t)[:2])
 
   def value_name(self, cls: int) -> str:
@@ -529,7 +529,7 @@ class RelationInference:
       local = layout.local_shape(s.shape, self.mesh)
       if local != d.shape:
         raise InputError(path, f"parameter {i}: sequential {s.type} under "
-                         f"{layout.describe('d')} gives per-device shape {local}, "
+                         f"{layout.describe('d', self.mesh)} gives per-device shape {local}, "
                          f"but the distributed parameter is {d.type}")
       self.add_relation(s, Relation(self.deg.of(d), layout, "input"))
 
@@ -952,7 +952,7 @@ class RelationInference:
         from graphguard_hlo.passes.diagnose import diagnose_output
         failure = diagnose_output(self, i, s, d, declared, dist.graph.results)
         return Result("not_proved", outputs, failure, self._stats(processed))
-      outputs.append(OutputRelation(i, ok[0].layout.describe(f"out{i}"), ok[0].layout))
+      outputs.append(OutputRelation(i, ok[0].layout.describe(f"out{i}", self.mesh), ok[0].layout))
     return Result("refines", outputs, None, self._stats(processed))
 
 

@@ -66,7 +66,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from graphguard_hlo.ir import Mesh, axis_base, axis_shift
+from graphguard_hlo.ir import Mesh, axis_base, axis_shift, merged_axis_names, sub_axis
 
 Axes = tuple[str, ...]
 SCALE_RTOL = 1e-5  # float constants: 1/sqrt(d) in f32 vs an exact rational
@@ -190,12 +190,14 @@ class Layout:
                       partial=tuple(self.partial) + tuple(a for a, _ in self.at))
 
   # -- text -----------------------------------------------------------------
-  def describe(self, value_name: str) -> str:
-    """The clean expression, e.g. ``sum[tp](concat[dim1: dp](%3@r))``."""
+  def describe(self, value_name: str, mesh: Optional[Mesh] = None) -> str:
+    """The clean expression, e.g. ``sum[tp](concat[dim1:dp](%3@r))``; parts of
+    one axis named apart (sub-axes of ``mesh``) are joined where they spell it."""
     expr = f"{value_name}@r"
     if self.partial:
-      expr = f"{self.partial_kind}[{','.join(self.partial)}]({expr})"
-    split = [f"dim{i}:{'x'.join(axes)}" for i, axes in enumerate(self.dims) if axes]
+      expr = f"{self.partial_kind}[{','.join(_partial_names(self.partial, mesh))}]({expr})"
+    split = [f"dim{i}:{','.join(merged_axis_names(axes, mesh))}"
+             for i, axes in enumerate(self.dims) if axes]
     if split:
       expr = f"concat[{' '.join(split)}]({expr})"
     if not split and not self.partial:
@@ -214,6 +216,17 @@ class Layout:
 
   def __str__(self) -> str:
     return self.describe("d")
+
+
+def _partial_names(axes: Axes, mesh: Optional[Mesh]) -> list[str]:
+  """The axes a partial value is summed over (a set), sub-axes of one axis
+  put major to minor beside the first of them so that runs merge."""
+  def key(a: str):
+    part = sub_axis(a)
+    base = part[0] if part else a
+    first = next(i for i, b in enumerate(axes) if (sub_axis(b) or (b,))[0] == base)
+    return first, part[1] if part else 0
+  return merged_axis_names(sorted(axes, key=key), mesh)
 
 
 def merged_pins(*pin_sets) -> Optional[tuple[tuple[str, int], ...]]:

@@ -156,7 +156,7 @@ def _inductive_invariant(inf, op: ir.Op, loop: ir.Op, hypotheses: list[CarryMatc
       f = body.deferred_failure([s]) if body.deferred_origin([s]) is not None else \
           diagnose_output(body, k, s, d, m.layout)
       f.diagnosis = (f"loop carry {k} does not keep its relation "
-                     f"{m.layout.describe('carry')} across one iteration: " + f.diagnosis)
+                     f"{m.layout.describe('carry', inf.mesh)} across one iteration: " + f.diagnosis)
       return current, f
     if kept == current:
       return current, _conditions_agree(inf, op, loop, current)

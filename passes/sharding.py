@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from graphguard_hlo.ir import Mesh, SdySharding
+from graphguard_hlo.ir import Mesh, SdySharding, sub_axis_name
 from graphguard_hlo.passes.layout import Layout
 
 
@@ -205,15 +205,24 @@ def named_after(mesh: Mesh, source: Optional[Mesh]) -> Mesh:
   """``mesh``'s atomic axes (``infer_mesh``) renamed after the axes of the
   mesh the program was written over, each that is one of them: the same size
   and the same stride in partition-id order (an iota ``source``: jax numbers
-  partitions by their place in the mesh).  An atomic axis that cuts a source
-  axis, or joins several, keeps its ``aN`` name; so do all when a name would
-  repeat."""
+  partitions by their place in the mesh).  An atomic axis inside one source
+  axis, which XLA cut finer, is named as Shardy names that sub-axis
+  (``y:(1)2``, y's major half); one joining several keeps its ``aN`` name; so
+  do all when a name would repeat."""
   if source is None or source.device_ids not in (None, tuple(range(source.size))) \
       or source.size != mesh.size:
     return mesh
-  by_place = {(size, stride): name for name, size, stride in _strided(source) if size > 1}
-  renamed = tuple((by_place.get((size, stride), name), size)
-                  for name, size, stride in _strided(mesh))
+  places = [(name, size, stride) for name, size, stride in _strided(source) if size > 1]
+
+  def name_of(atomic: str, size: int, stride: int) -> str:
+    for name, whole, start in places:
+      if (size, stride) == (whole, start):
+        return name
+      if stride % start == 0 and (whole * start) % (size * stride) == 0:
+        return sub_axis_name(name, whole * start // (size * stride), size)
+    return atomic
+
+  renamed = tuple((name_of(*axis), axis[1]) for axis in _strided(mesh))
   names = [n for n, _ in renamed]
   return Mesh(renamed) if len(set(names)) == len(names) else mesh
 

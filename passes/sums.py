@@ -168,7 +168,7 @@ class SumRegrouping:
         if self._added(a, ra, rb) is not None:
           axes = rb.layout.partial
           count = math.prod(inf.mesh.axis_size(axis) for axis in axes)
-          return (f"the per-device program adds {ra.layout.describe(inf.value_name(ra.cls))} "
+          return (f"the per-device program adds {ra.layout.describe(inf.value_name(ra.cls), inf.mesh)} "
                   f"into the partial sum over {', '.join(map(repr, axes))} "
                   f"{inf.value_name(rb.cls)}, so summed over those ranks it is counted "
                   f"{count} times: reduce the partial sums alone, then add the replicated "

@@ -56,6 +56,25 @@ def test_an_output_resharded_to_another_axis_order_is_proved(mesh, in_spec, out_
   assert not result.relation_check.failures
 
 
+def test_an_output_split_over_two_axes_names_them_apart():
+  """Axes named ``y`` and ``x`` print as ``y,x``: an ``x`` between them would
+  read as a third axis (``yxx``)."""
+  result = gg.verify(scaled_tanh, scaled_tanh, X, mesh=_mesh(*XY), in_specs=(P("x", "y"),),
+                     out_specs=P(("y", "x")))
+  assert [o.relation for o in result.outputs] == ["concat[dim0:y,x](out0@r)"]
+
+
+@pytest.mark.parametrize("relation, refines", [
+    ("0: dim0=x dim1=y", True),  # y, which XLA cut in halves, names both
+    ("0: dim0=x dim1=y:(1)2,y:(2)2", True),
+    ("0: dim0=x dim1=y:(2)2,y:(1)2", False),  # the halves swapped
+])
+def test_a_relation_file_names_an_axis_xla_cut_whole_or_by_its_parts(relation, refines):
+  result = gg.verify(scaled_tanh, scaled_tanh, X, mesh=_mesh(*XY), in_specs=(P("x", "y"),),
+                     out_specs=P(("y", "x")), relation=relation)
+  assert result.refines == refines, to_text(result, "seq", "dist")
+
+
 def _resharded_module(edit=None):
   mesh = _mesh(*XY)
   lowered = jax.jit(scaled_tanh, in_shardings=NamedSharding(mesh, P("x", "y")),

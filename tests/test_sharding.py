@@ -309,13 +309,18 @@ def _mesh(*axes, device_ids=None):
     ((("a0", 2), ("a1", 2)), (("dp", 2), ("tp", 2)), ("dp", "tp")),
     # a unit axis of the source cuts nothing
     ((("a0", 2), ("a1", 2)), (("dp", 2), ("x", 1), ("tp", 2)), ("dp", "tp")),
-    # an axis joining two of the source's, or cutting one, keeps its name
+    # an axis joining two of the source's keeps its name
     ((("a0", 4),), (("dp", 2), ("tp", 2)), ("a0",)),
-    ((("a0", 2), ("a1", 2), ("a2", 2)), (("dp", 2), ("tp", 4)), ("dp", "a1", "a2")),
-    # same sizes, other strides: tp=4 major where XLA cut dp=2 major
-    ((("a0", 2), ("a1", 4)), (("tp", 4), ("dp", 2)), ("a0", "a1")),
+    # parts of an axis XLA cut finer are named as Shardy names sub-axes
+    ((("a0", 2), ("a1", 2), ("a2", 2)), (("dp", 2), ("tp", 4)), ("dp", "tp:(1)2", "tp:(2)2")),
+    ((("a0", 2), ("a1", 2), ("a2", 2)), (("y", 8),), ("y:(1)2", "y:(2)2", "y:(4)2")),
+    ((("a0", 3), ("a1", 2), ("a2", 2)), (("x", 3), ("y", 4)), ("x", "y:(1)2", "y:(2)2")),
+    ((("a0", 2), ("a1", 4)), (("y", 8),), ("y:(1)2", "y:(2)4")),
+    # same sizes, other strides: tp=4 major where XLA cut dp=2 major; its
+    # a0 is tp's major half, its a1 joins tp's minor half with dp
+    ((("a0", 2), ("a1", 4)), (("tp", 4), ("dp", 2)), ("tp:(1)2", "a1")),
     # a name that would repeat: none renamed
-    ((("a0", 2), ("a1", 2), ("a2", 2)), (("a1", 2), ("tp", 4)), ("a0", "a1", "a2")),
+    ((("a0", 2), ("a1", 4)), (("a1", 2), ("tp", 2), ("dp", 2)), ("a0", "a1")),
 ])
 def test_atomic_axes_are_named_after_the_source_mesh(atomic, source, expect):
   assert shd.named_after(_mesh(*atomic), _mesh(*source)).axis_names == expect
@@ -340,3 +345,24 @@ def test_a_users_axis_called_like_an_atomic_one_is_read_as_the_users():
   given = parse_relation_file("<r>", "0: dim0=a1\n", [(8, 8)], list(program.mesh.axis_names),
                               program.axis_aliases)
   assert given[0].dims == (("a1",), ())
+
+
+@pytest.mark.parametrize("axes, text", [
+    (("y:(1)2", "y:(2)2", "x"), "y,x"),  # all of y: named so
+    (("y:(2)2", "y:(1)2"), "y:(2)2,y:(1)2"),  # minor half first: no run
+    (("x", "y:(2)2"), "x,y:(2)2"),
+    (("y:(1)2+1", "y:(2)2"), "y:(1)2+1,y:(2)2"),  # a rotated part is its own
+])
+def test_parts_of_an_axis_print_as_the_axis_where_they_run_major_to_minor(axes, text):
+  mesh = _mesh(("x", 2), ("y:(1)2", 2), ("y:(2)2", 2))
+  assert ",".join(ir.merged_axis_names(axes, mesh)) == text
+
+
+def test_a_run_that_is_part_of_an_axis_prints_as_that_part():
+  mesh = _mesh(("y:(1)2", 2), ("y:(2)2", 2), ("y:(4)2", 2))
+  assert ir.merged_axis_names(("y:(2)2", "y:(4)2"), mesh) == ["y:(2)4"]
+  assert ir.merged_axis_names(("y:(1)2", "y:(2)2"), mesh) == ["y:(1)4"]
+  assert ir.merged_axis_names(("y:(1)2", "y:(2)2", "y:(4)2"), mesh) == ["y"]
+  # a partial sum is over a set of axes: its parts merge in any order
+  assert Layout(((),), partial=("y:(4)2", "x", "y:(1)2", "y:(2)2")).describe("d", mesh) \
+      == "sum[x,y](d@r)"
