@@ -20,7 +20,7 @@ from graphguard_hlo.passes.collectives import COLLECTIVES
 from graphguard_hlo.passes.layout import Layout, scales_equal
 from graphguard_hlo.passes.online_softmax import infinite_max_words
 from graphguard_hlo.passes.pieces import Pieces, partner_dim
-from graphguard_hlo.passes.sharding import group_axes
+from graphguard_hlo.passes.sharding import group_axes, stride_across_mesh
 from graphguard_hlo.passes.terms import freeze
 from graphguard_hlo.passes.transfer import integers_to_float, ring_shift
 
@@ -236,6 +236,12 @@ def _collective_words(inf, cls: int, layout: Layout) -> Optional[str]:
       if (reordered := _axes_of_reordered_groups(op, inf.mesh)) is not None:
         return (f"{name} at {loc} runs over {_axes(reordered)} but lists its ranks in "
                 f"another order than the mesh's, {groups} (shards concatenated out of order)")
+      if (stride := stride_across_mesh(groups, inf.mesh)) is not None:
+        return (f"{name} at {loc} moves data between ranks {stride} apart, {groups}, "
+                f"across the axes of {dict(inf.mesh.axes)}: no one mesh spells it. XLA "
+                "writes such device lists to reshard between axes whose sizes have other "
+                "prime factors (P('x', 'y') to P('y', 'x') on 2 x 3), which graphguard "
+                "cannot follow; written by hand, it is likely wrong replica groups")
       return (f"{name} at {loc} uses replica groups {groups} that match no mesh axes "
               f"of {dict(inf.mesh.axes)} (wrong replica groups)")
     if op.name == "all_reduce" and layout.partial and set(axes) != set(layout.partial):

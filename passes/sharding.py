@@ -149,7 +149,11 @@ def infer_mesh(shardings: Iterable[HloSharding], num_devices: int,
   """The coarsest mesh of atomic axes whose digits spell every sharding's tiles.
 
   Axes are named ``a0, a1, ...`` major to minor, device id = mixed radix of
-  the coordinates (iota device order).  Replica groups add their strides too.
+  the coordinates (iota device order).  Replica groups and partition-id
+  arithmetic add their strides too, each where it fits the chain of cuts:
+  on a 2 x 3 mesh XLA reshards with groups at strides 2 and 3 at once, which
+  no one mesh spells; the collectives the mesh cannot read are then reported
+  where they are, rather than the program refused as input.
   """
   cuts = {1, num_devices}
   for sh in shardings:
@@ -158,24 +162,52 @@ def infer_mesh(shardings: Iterable[HloSharding], num_devices: int,
     for dim_digits in _digits(sh):
       for size, stride in dim_digits:
         cuts.update((stride, stride * size))
-  for groups in extra_groups:
-    for g in groups:
-      steps = {abs(b - a) for a, b in zip(g, g[1:])}
-      for step in steps:
-        if step and num_devices % step == 0:
-          cuts.add(step)
-      if len(steps) == 1 and step and num_devices % (step * len(g)) == 0:
-        cuts.add(step * len(g))  # one axis, evenly strided: it ends there (an axis' minor part)
-  cuts.update(extra_strides)
+  _check_chain(cuts, num_devices)
+  for cut in sorted(_group_cuts(extra_groups, num_devices) | set(extra_strides)):
+    if _is_chain(cuts | {cut}, num_devices):
+      cuts.add(cut)
   ordered = sorted(c for c in cuts if num_devices % c == 0)
-  for lo, hi in zip(ordered, ordered[1:]):
-    if hi % lo:
-      raise ShardingError(f"device lists cannot be spelled on one mesh (strides {lo}, {hi})")
   axes = []
   for lo, hi in zip(ordered, ordered[1:]):
     axes.append(hi // lo)
   axes.reverse()  # major to minor
   return Mesh(tuple((f"a{i}", s) for i, s in enumerate(axes)))
+
+
+def _group_cuts(groups_lists: Iterable[Sequence[Sequence[int]]], num_devices: int) -> set[int]:
+  """The strides replica groups step at, and where an evenly strided group
+  ends (one axis, or an axis' minor part)."""
+  cuts = set()
+  for groups in groups_lists:
+    for g in groups:
+      steps = {abs(b - a) for a, b in zip(g, g[1:])}
+      cuts.update(step for step in steps if step and num_devices % step == 0)
+      if len(steps) == 1 and (step := steps.pop()) and num_devices % (step * len(g)) == 0:
+        cuts.add(step * len(g))
+  return cuts
+
+
+def stride_across_mesh(lists: Sequence[Sequence[int]], mesh: Mesh) -> Optional[int]:
+  """A stride these replica groups (or permute pairs) step at that no mesh
+  with ``mesh``'s cuts could have as a cut (2 on a 2 x 3 mesh: it would need
+  3 = 1.5 x 2); None if there is none or the mesh is not in iota order."""
+  if mesh.device_ids is not None:
+    return None
+  cuts = {1} | {c for _, size, stride in _strided(mesh) for c in (stride, stride * size)}
+  return next((c for c in sorted(_group_cuts([lists], mesh.size))
+               if not _is_chain(cuts | {c}, mesh.size)), None)
+
+
+def _is_chain(cuts: set[int], num_devices: int) -> bool:
+  ordered = sorted(c for c in cuts if num_devices % c == 0)
+  return all(hi % lo == 0 for lo, hi in zip(ordered, ordered[1:]))
+
+
+def _check_chain(cuts: set[int], num_devices: int) -> None:
+  ordered = sorted(c for c in cuts if num_devices % c == 0)
+  for lo, hi in zip(ordered, ordered[1:]):
+    if hi % lo:
+      raise ShardingError(f"shardings cannot be spelled on one mesh (strides {lo}, {hi})")
 
 
 def prime_strides(mesh: Mesh) -> set[int]:

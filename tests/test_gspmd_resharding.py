@@ -104,3 +104,62 @@ def test_the_all_to_all_over_another_half_of_an_axis_is_refused():
   right, wrong = _per_rank_outputs(_resharded_module()), _per_rank_outputs(
       _resharded_module(edit))
   assert any(not np.allclose(a, b) for a, b in zip(right, wrong))
+
+
+# -- meshes of 6 devices: XLA mixes cuts of 2 and 3 --------------------------------------------
+
+X6 = jax.ShapeDtypeStruct((12, 12), jnp.float32)
+
+
+@pytest.mark.parametrize("shape, in_spec, out_spec", [
+    ((2, 3), P(("y", "x")), P()),
+    ((2, 3), P(("y", "x")), P(None, ("y", "x"))),
+    ((3, 2), P(("y", "x")), P("y")),
+    ((2, 3), P("x", "y"), P("y", "x")),
+])
+def test_a_reshard_on_a_mesh_of_two_and_three_is_proved(shape, in_spec, out_spec):
+  """Groups at strides the mesh's cuts cannot join (2 on 2 x 3) no longer
+  make the program an input error: the mesh keeps the cuts that fit."""
+  result = gg.verify(scaled_tanh, scaled_tanh, X6, mesh=_mesh(shape, ("x", "y")),
+                     in_specs=(in_spec,), out_specs=out_spec, check_relations=True)
+  assert result.refines, to_text(result, "seq", "dist")
+
+
+def test_a_permute_across_the_axes_of_a_two_by_three_mesh_is_named_not_refused_as_input():
+  """P("x", "y") to P(("y", "x")) on 2 x 3: XLA's permute sends rank 1 to 3
+  and 3 to 4, steps of 2 on a mesh cut at 3; not proved, and said so at it."""
+  result = gg.verify(scaled_tanh, scaled_tanh, X6, mesh=_mesh((2, 3), ("x", "y")),
+                     in_specs=(P("x", "y"),), out_specs=P(("y", "x")))
+  assert not result.refines
+  words = result.failure.diagnosis
+  assert "collective-permute at" in words and "2 apart" in words, words
+  assert "across the axes of {'x': 2, 'y': 3}: no one mesh spells it" in words, words
+
+
+def _gathered_module(edit=None):
+  """P(("y", "x")) gathered whole on 2 x 3: XLA lists the all-gather's ranks
+  y-major, {0, 3, 1, 4, 2, 5}."""
+  mesh = _mesh((2, 3), ("x", "y"))
+  lowered = jax.jit(scaled_tanh, in_shardings=NamedSharding(mesh, P(("y", "x"))),
+                    out_shardings=NamedSharding(mesh, P())).lower(X6)
+  text = partitioned_hlo_text(lowered)
+  return load_module_bytes("<gathered>.hlo.txt", (edit.apply(text) if edit else text).encode())
+
+
+def test_an_all_gather_listing_a_two_by_three_mesh_in_its_own_order_is_refused():
+  edit = partitioner_bugs.regroup("all-gather", 0, ((0, 1, 2, 3, 4, 5),))
+  seq = lower_sequential(scaled_tanh, X6)
+  assert verify_modules(seq, _gathered_module()).refines
+  result = verify_modules(lower_sequential(scaled_tanh, X6), _gathered_module(edit))
+  assert not result.refines
+  # (an HLO dump names no mesh: a0 is x, a1 is y)
+  assert "gathers over 'a0', 'a1' along dim 0, but dim 0 is split over 'a1', 'a0'" \
+      in result.failure.diagnosis, result.failure.diagnosis
+  x = np.random.default_rng(0).standard_normal(X6.shape).astype(np.float32)
+  tiles = [x[2 * k:2 * k + 2] for k in (0, 2, 4, 1, 3, 5)]  # rank 3x + y holds rows 2(2y + x)
+  outputs = []
+  for module in (_gathered_module(), _gathered_module(edit)):
+    inline_calls(module)
+    outputs.append(Interpreter(6).run(module.main, [tiles])[module.main.results[0].id])
+  np.testing.assert_allclose(outputs[0][0], np.tanh(x) * 2, rtol=1e-5)
+  assert not np.allclose(outputs[1][0], np.tanh(x) * 2)

@@ -106,6 +106,25 @@ def test_an_evenly_strided_group_cuts_the_mesh_where_it_ends():
       ("a0", 2), ("a1", 4))
 
 
+def test_groups_at_strides_no_mesh_joins_are_left_to_be_reported():
+  """On 2 x 3 (cut at 3) XLA's reshards also step at 2: no one mesh has both
+  cuts.  The shardings' cuts stand, the group's cut is dropped (its
+  collective then reads on no axis and is reported where it is), and
+  ``stride_across_mesh`` names the stride."""
+  tiles = [shd.parse_hlo_sharding("{devices=[2,3]<=[6]}")]
+  groups = ((0, 2, 4), (1, 3, 5))
+  mesh = shd.infer_mesh(tiles, 6, [groups])
+  assert mesh.axes == (("a0", 2), ("a1", 3))
+  assert shd.group_axes(groups, mesh) is None
+  assert shd.stride_across_mesh(groups, mesh) == 2
+  assert shd.stride_across_mesh(((0, 1, 2), (3, 4, 5)), mesh) is None
+  # Groups alone choose among themselves: the smaller cut first.
+  assert shd.infer_mesh([], 6, [groups, ((0, 3), (1, 4), (2, 5))]).axes == (("a0", 3), ("a1", 2))
+  # Shardings that no one mesh spells are still refused.
+  with pytest.raises(shd.ShardingError, match="strides 2, 3"):
+    shd.infer_mesh(tiles + [shd.parse_hlo_sharding("{devices=[3,2]<=[6]}")], 6)
+
+
 def test_prime_strides_cut_every_axis_into_its_prime_factors():
   assert shd.prime_strides(ir.Mesh((("x", 2), ("y", 4)))) == {1, 2, 4}
   assert shd.prime_strides(ir.Mesh((("x", 12),))) == {1, 2, 4}
