@@ -698,12 +698,24 @@ def _reduce_window(op: SeqOp, ls: Sequence[Layout]):
   windows along dim k stay inside each rank's tile (``_windows_stay_in_tiles``):
   a cumulative sum along an untiled dim (jnp.cumsum) is every rank's own,
   and so is a pool of its own rows.  Each rank combines its own init per
-  window, so the operand is not a partial sum and not scaled.  One operand
-  only: a variadic window (an argmax's values and indices) is left alone."""
+  window.  Windows that add are linear in operand and init together, so
+  their common partial sum and scale pass through (an average pool of a
+  partial sum, its zero init a partial sum of zeros); max (min) windows of
+  a partial maximum (minimum) are the ranks' windows' maximum, each with the
+  whole init (taken twice, it counts once).  One operand only: a variadic
+  window (an argmax's values and indices) is left alone."""
   if len(ls) != 2:
     return
   a, init = ls
-  if a.partial or not a.is_clean() or not init.is_full_replica() or not init.is_clean():
+  kind = op.attrs.get("gg.reduction")
+  whole_init = init.is_full_replica() and init.is_clean()
+  if a.partial or not a.is_clean():
+    adds = kind == "sum" and a.partial_kind == "sum" and init == Layout((), a.partial, "sum",
+                                                                          a.scale)
+    idempotent = kind in ("max", "min") and a.partial_kind == kind and a.is_clean()
+    if not (adds or (idempotent and whole_init)):
+      return
+  elif not whole_init:
     return
   if _windows_stay_in_tiles(op, a):
     yield {k: v for k, v in op.attrs.items() if k != "gg.reduction"}, a

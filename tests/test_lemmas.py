@@ -756,17 +756,29 @@ def pad_into_one_tile(draw, mesh, seed):
 
 
 @st.composite
-def reduce_window(draw, mesh, seed):
+def reduce_window(draw, mesh, seed, summed: bool = False):
   """Windows along untiled dims (a cumulative sum's is the whole dim, padded
   before), mostly trivial along tiled ones or pools inside the tiles;
   sometimes a pool across tiles, a window, stride or padding along a tiled
-  dim, a partial or scaled operand, which the lemma must refuse."""
-  a = nearby(draw, mesh, draw_layout(draw, mesh, draw(st.integers(1, 3)), partial=False,
-                                     scales=(1.0,)), p_keep=0.6)
+  dim, which the lemma must refuse.  Operands sometimes partial (any kind)
+  or scaled, the init sharing their sum and scale or whole, and not always
+  the identity: a sum or scale the windows do not share, or an init not
+  summed alike, the lemma must refuse.  ``summed``: always a partial or
+  scaled operand (``test_windows_of_partial_values_are_sound``)."""
+  kind = draw(st.sampled_from(["sum", "sum", "max", "min"]))
+  a = draw_layout(draw, mesh, draw(st.integers(1, 3)), partial=summed or draw(st.booleans()),
+                  scales=draw(st.sampled_from([(1.0,), SCALES])), force_partial=summed)
+  if a.partial and draw(st.integers(0, 2)):
+    a = a.with_(partial_kind=kind)  # (mostly the windows' own kind)
+  a = nearby(draw, mesh, a, p_keep=0.6)
   rng = np.random.default_rng(seed)
   x = random_values(rng, draw_shape(draw, mesh, a))
-  kind = draw(st.sampled_from(["sum", "sum", "max", "min"]))
-  init = np.array({"sum": 0.0, "max": -np.inf, "min": np.inf}[kind])
+  identity = {"sum": 0.0, "max": -np.inf, "min": np.inf}[kind]
+  init = np.array(draw(st.sampled_from([identity, identity, 1.5])))
+  others = [n for n in mesh.axis_names if n not in a.split_axes() and n not in a.partial]
+  i = draw(st.sampled_from([Layout((), a.partial, a.partial_kind, a.scale),
+                            Layout((), tuple(others[:1]), a.partial_kind, a.scale),
+                            Layout.replicated(0), Layout.replicated(0)]))
   window, strides, pads = [], [], []
   for n, axes in zip(x.shape, a.dims):
     how = draw(st.sampled_from(["one"] * 3 + ["padded", "pooled", "other"])) if axes \
@@ -777,7 +789,7 @@ def reduce_window(draw, mesh, seed):
       w, k, p = 1, 1, draw(st.sampled_from([(1, 0), (0, 1), (1, 1)]))
     elif how == "pooled":  # inside the tiles if they hold a multiple of k, else across;
       k = draw(st.sampled_from([2, 2, 3]))  # overlapping (w > k) across too
-      w, p = draw(st.sampled_from([k, k, 1, k + 1, 2 * k + 1])), (0, 0)
+      w, p = min(n, draw(st.sampled_from([k, k, 1, k + 1, 2 * k + 1]))), (0, 0)
     elif draw(st.booleans()):
       w, k, p = n, 1, (n - 1, 0)  # jnp.cumsum
     else:
@@ -788,8 +800,7 @@ def reduce_window(draw, mesh, seed):
            "base_dilations": (1,) * x.ndim, "window_dilations": (1,) * x.ndim,
            "padding": np.array(pads, dtype=np.int64), "gg.reduction": kind}
   out = reference.reduce_window(x, init, attrs, kind).shape
-  return Case(seq_op("reduce_window", attrs, [x, init], out, mesh), [a, Layout.replicated(0)],
-              [x, init], seed)
+  return Case(seq_op("reduce_window", attrs, [x, init], out, mesh), [a, i], [x, init], seed)
 
 
 @st.composite
@@ -1308,6 +1319,23 @@ def test_grouped_convolutions_are_sound():
   assert hits["target"] >= 0.3 * hits["cases"], hits
 
 
+def test_windows_of_partial_values_are_sound():
+  """Reduce windows of partial or scaled operands on their own, more of
+  them: the init must share an adding window's sum and scale, and a max
+  window's operand be a partial max, unscaled, its init whole."""
+  hits = {"cases": 0, "target": 0}
+
+  @settings(SETTINGS, max_examples=400)
+  @given(meshes(), st.integers(0, 2**32 - 1), st.data())
+  def check(mesh, seed, data):
+    hits["cases"] += 1
+    if "reduce-window-within-tiles" in check_case(data.draw(reduce_window(mesh, seed, True))):
+      hits["target"] += 1
+
+  check()
+  assert hits["target"] >= 0.2 * hits["cases"], hits
+
+
 @st.composite
 def any_elementwise(draw, mesh, seed):
   """Any elementwise op on operands tiled alike, partial sums too."""
@@ -1472,6 +1500,22 @@ def test_reduce_window_of_a_partial_max_is_refused():
   """A window's sum of maxima over ranks is not the maximum of the ranks' sums."""
   op, _ = _unit_window(np.arange(4.0), (0, 0))
   steps = apply_lemmas(op, [Layout(((),), ("x",), "max"), Layout.replicated(0)])
+  assert not [s for s in steps if s.lemma == "reduce-window-within-tiles"]
+
+
+def test_max_windows_of_a_partial_max_take_a_whole_init():
+  """Max windows of a partial max are the ranks' windows' max when every
+  rank takes the whole init; an init that is itself a partial max over
+  another axis would leave the ranks of that axis with other values."""
+  mesh = ir.Mesh((("x", 2), ("y", 2)))
+  x, init = np.random.default_rng(0).standard_normal(4), np.array(1.5)
+  attrs = {"window_dimensions": (2,), "window_strides": (1,), "base_dilations": (1,),
+           "window_dilations": (1,), "padding": np.array([(0, 0)]), "gg.reduction": "max"}
+  op = seq_op("reduce_window", attrs, [x, init], (3,), mesh)
+  operand = Layout(((),), ("x",), "max")
+  assert "reduce-window-within-tiles" in check_case(
+      Case(op, [operand, Layout.replicated(0)], [x, init], 0))
+  steps = apply_lemmas(op, [operand, Layout((), ("y",), "max")])
   assert not [s for s in steps if s.lemma == "reduce-window-within-tiles"]
 
 

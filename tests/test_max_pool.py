@@ -3,7 +3,8 @@ max pools, data parallel (images split over dp) and with channels split over
 tp, forward, gradients and an SGD step, under shard_map and GSPMD, each with
 every relation held on numbers; gradients not averaged over dp reported,
 a 2 x 2 pool of rows split over ranks in even tiles proved, an overlapping
-3 x 3 pool of them refused at the pool.  The reference's select_and_scatter
+3 x 3 pool of them refused at the pool; an average pool of partial sums
+before the psum proved, a max pool of them refused.  The reference's select_and_scatter
 is held against XLA's, ties included."""
 
 import inspect
@@ -172,3 +173,46 @@ def test_a_pool_of_rows_split_in_even_tiles_is_proved(style):
     else:
       result = _verify(fn, fn, y, mesh=DP, in_specs=(rows,), out_specs=out)
     assert result.refines, to_text(result, "seq", "dist")
+
+
+def avg_pool(y):
+  return lax.reduce_window(y, 0.0, lax.add, (1, 1, 2, 2), (1, 1, 2, 2), "VALID") / 4
+
+
+def pooled_head(k1, k2, x, pool):
+  return pool(conv(jax.nn.relu(conv(x, k1)), k2))
+
+
+def avg_head(k1, k2, x):
+  return pooled_head(k1, k2, x, avg_pool)
+
+
+def tp_avg_head(k1, k2, x, pool=avg_pool):
+  """The second convolution contracts channels split over tp: each rank's
+  output is a partial sum, pooled before the psum (an average is linear)."""
+  return lax.psum(pooled_head(k1, k2, x, pool), "tp")
+
+
+@pytest.mark.parametrize("differentiate", [False, True])
+def test_an_average_pool_of_partial_sums_before_the_psum_is_proved(differentiate):
+  seq, dist = avg_head, tp_avg_head
+  if differentiate:
+    seq = jax.grad(lambda *a: jnp.mean(avg_head(*a) ** 2), argnums=(0, 1))
+    dist = jax.grad(lambda *a: jnp.mean(tp_avg_head(*a) ** 2), argnums=(0, 1))
+  out = (P("tp"), P(None, "tp")) if differentiate else P()
+  result = _verify(seq, shard_map(dist, mesh=TP, in_specs=TP_IN, out_specs=out), K1, K2, IMAGES)
+  assert result.refines, to_text(result, "seq", "dist")
+
+
+def test_a_max_pool_of_partial_sums_before_the_psum_is_refused_at_the_pool():
+  """The max of each rank's partial sums is not the max of their sum."""
+  def tp_max_head(k1, k2, x):
+    return tp_avg_head(k1, k2, x, max_pool)
+
+  def max_head(k1, k2, x):
+    return pooled_head(k1, k2, x, max_pool)
+
+  result = _verify(max_head, shard_map(tp_max_head, mesh=TP, in_specs=TP_IN, out_specs=P()),
+                   K1, K2, IMAGES)
+  assert not result.refines and result.failure.op_name == "reduce_window"
+  assert result.failure.location.line == inspect.getsourcelines(max_pool)[1] + 1
