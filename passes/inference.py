@@ -366,12 +366,20 @@ class RelationInference:
     """The relations lemmas read: every tile they speak of is known (rotated
     tiles and a ring's diagonal blocks are; a partly filled buffer is not)."""
     return [r for r in self.relations.get(s.id, ()) if not r.layout.filled
-            and not r.layout.order]
+            and not r.layout.order and not r.layout.halo]
+
+  def lemma_relations(self, s: ir.Value) -> list[Relation]:
+    """The whole relations and the haloed ones (a tile with its neighbours'
+    rows, layout.py), which ``apply_lemmas`` hands only to lemmas that read
+    them."""
+    return self.whole_relations(s) + [r for r in self.relations.get(s.id, ())
+                                      if r.layout.halo]
 
   def known_relations(self, s: ir.Value) -> list[Relation]:
     """The whole relations and the reordered ones (chunk_order.py): every
     tile is known, possibly of the tensor with its chunks reordered."""
-    return [r for r in self.relations.get(s.id, ()) if not r.layout.filled]
+    return [r for r in self.relations.get(s.id, ()) if not r.layout.filled
+            and not r.layout.halo]
 
   def describe(self, s: ir.Value) -> list[str]:
     if s.id in self.splats:
@@ -557,7 +565,7 @@ class RelationInference:
     if op.name == "iota":
       for cls, layout in self.transfer.offset_iotas(op.results[0].type, op.attrs):
         self.add_relation(op.results[0], Relation(cls, layout, "iota-plus-rank-offset"))
-    for combo in self._operand_combinations(op):
+    for combo in self._operand_combinations(op, self.lemma_relations):
       layouts = [l for _, l in combo]
       for k, result in enumerate(op.results):
         rop = seq_op if k == 0 else dataclasses.replace(seq_op, result_type=result.type)

@@ -55,6 +55,16 @@ a ring writing the tiles it receives into a buffer has after some steps; with
 every shift it is the plain layout.  Rotated, diagonal and filled layouts are
 *not plain*: collectives, loops and outputs never read them (only the ring
 rules of ``transfer.py`` do); lemmas read all but the filled ones.
+
+``halo = ((k, lo, hi), ...)`` says each rank holds its tile of dim ``k``
+extended by ``lo`` elements before and ``hi`` after: its neighbours' edge
+rows, zeros beyond the ends of ``S`` (the zero padding a convolution reads).
+That is what a halo exchange builds for a convolution over a dim split over
+ranks (a ppermute of each tile's last rows to the next rank, concatenated
+before its own); ``rank_tables.py`` reads it off the ops.  A halo is at most
+a tile wide, on a dim tiled by unrotated axes, pins, partly known tiles and
+reordered chunks aside.  Haloed layouts are not plain; lemmas read them only
+where they say so (``Lemma.reads_halos``).
 """
 
 from __future__ import annotations
@@ -86,6 +96,7 @@ class Layout:
   zero_elsewhere: bool = False  # with pins: zeros at every other rank
   filled: tuple = ()          # () or (dim, axis, sorted shifts): tiles known
   order: tuple = ()           # sorted (dim, chunks): dims reordered before tiling
+  halo: tuple = ()            # sorted (dim, lo, hi): tiles extended by neighbours' rows
 
   @staticmethod
   def replicated(rank: int) -> "Layout":
@@ -99,6 +110,8 @@ class Layout:
       object.__setattr__(self, "partial_kind", "sum")
     if len(self.order) > 1:
       object.__setattr__(self, "order", tuple(sorted(self.order)))
+    if len(self.halo) > 1:
+      object.__setattr__(self, "halo", tuple(sorted(self.halo)))
 
   # -- queries ---------------------------------------------------------------
   @property
@@ -137,15 +150,25 @@ class Layout:
         not 0 <= k < self.rank or sorted(chunks) != list(range(len(chunks)))
         for k, chunks in self.order):
       return False
+    if self.halo and not self._halo_is_valid():
+      return False
     # An axis may tile several dims, as is or turned (the diagonal blocks a
     # ring visits); partial and pinned axes are used nowhere else.
     bases = {axis_base(a) for a in tiling}
     return len(others) == len(set(others)) and not bases & set(others)
 
+  def _halo_is_valid(self) -> bool:
+    if self.at or self.filled or self.order:
+      return False
+    dims = [k for k, _, _ in self.halo]
+    return len(set(dims)) == len(dims) and all(
+        0 <= k < self.rank and self.dims[k] and all(axis_base(a) == a for a in self.dims[k])
+        and lo >= 0 and hi >= 0 and lo + hi > 0 for k, lo, hi in self.halo)
+
   def is_plain(self) -> bool:
     """Each axis tiles one dim, unturned, and every dim is known: a concat
     over ranks, what collectives, loops and outputs read."""
-    if self.filled or self.order:
+    if self.filled or self.order or self.halo:
       return False
     tiling = [a for d in self.dims for a in d]
     return len(tiling) == len(set(tiling)) and all(axis_base(a) == a for a in tiling)
@@ -163,10 +186,17 @@ class Layout:
       if size % n:
         return None
       out.append(size // n)
+    for k, lo, hi in self.halo:
+      if max(lo, hi) > out[k]:
+        return None  # (rows from beyond the next rank)
+      out[k] += lo + hi
     return tuple(out)
 
   def whole_shape(self, tile: Iterable[int], mesh: Mesh) -> tuple[int, ...]:
     """The sequential shape whose tile is ``tile`` (``local_shape``'s inverse)."""
+    tile = list(tile)
+    for k, lo, hi in self.halo:
+      tile[k] -= lo + hi
     return tuple(n * math.prod(mesh.axis_size(a) for a in axes)
                  for n, axes in zip(tile, self.dims))
 
@@ -210,6 +240,8 @@ class Layout:
       expr = f"known[dim{k}: tiles {axis}+{{{','.join(map(str, shifts))}}}]({expr})"
     for k, chunks in self.order:
       expr = f"chunks[dim{k}: {' '.join(map(str, chunks))}]({expr})"
+    for k, lo, hi in self.halo:
+      expr = f"halo[dim{k}: {lo} before, {hi} after]({expr})"
     if not self.is_clean():
       expr = f"{self.scale:g} * {expr}"
     return expr
@@ -320,7 +352,10 @@ def assemble(layout: Layout, mesh: Mesh, local_at: dict[tuple[int, ...], np.ndar
   that rank's value.  Checks the replicated and partial claims along the way
   and raises ``AssertionError`` if the ranks disagree.  Of a partly known
   layout (``filled``) only the known tiles are rebuilt; the rest is NaN.
+  A haloed layout's halo rows are checked against the neighbours' tiles.
   """
+  if layout.halo:
+    return assemble(layout.with_(halo=()), mesh, _without_halos(layout, mesh, local_at))
   names = mesh.axis_names
   sizes = dict(mesh.axes)
   tiles: dict[tuple[int, ...], np.ndarray] = {}
@@ -377,6 +412,8 @@ def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generato
           ) -> dict[tuple[int, ...], np.ndarray]:
   """Per-rank values that ``assemble`` turns back into ``value`` (random partial
   splits; random where a partly known layout knows nothing)."""
+  if layout.halo:
+    return _with_halos(layout, mesh, shard(layout.with_(halo=()), mesh, value, rng))
   names = mesh.axis_names
   sizes = dict(mesh.axes)
   out = {}
@@ -414,6 +451,66 @@ def shard(layout: Layout, mesh: Mesh, value: np.ndarray, rng: np.random.Generato
                              for j, p in enumerate(np.split(held, n, axis=k))], axis=k)
     out[coord] = held
   return out
+
+
+def _neighbour(layout: Layout, mesh: Mesh, coord: tuple[int, ...], k: int, step: int
+               ) -> Optional[tuple[int, ...]]:
+  """The rank holding the tile ``step`` after ``coord``'s along dim ``k``
+  (its other coordinates alike); None beyond the ends."""
+  r = dict(zip(mesh.axis_names, coord))
+  axes = layout.dims[k]
+  t = tile_index(axes, r, mesh) + step
+  if not 0 <= t < math.prod(mesh.axis_size(a) for a in axes):
+    return None
+  for a in reversed(axes):
+    r[a], t = t % mesh.axis_size(a), t // mesh.axis_size(a)
+  return tuple(r[a] for a in mesh.axis_names)
+
+
+def _edge(local_at: dict, coord, k: int, start: int, size: int, like: np.ndarray) -> np.ndarray:
+  """``size`` elements of ``coord``'s value along dim ``k`` from ``start``
+  (from the end if negative); zeros beyond the ends (``coord`` None)."""
+  shape = list(np.shape(like))
+  shape[k] = size
+  if coord is None:
+    return np.zeros(shape)
+  v = np.asarray(local_at[coord], dtype=np.float64)
+  n = v.shape[k]
+  lo = start % n if size else 0
+  return np.take(v, range(lo, lo + size), axis=k)
+
+
+def _with_halos(layout: Layout, mesh: Mesh, local_at: dict) -> dict:
+  """Each rank's value extended along each haloed dim by its neighbours'
+  edge rows (zeros beyond the ends), one dim after another, so corners come
+  from the diagonal neighbours as a two-phase exchange brings them."""
+  for k, lo, hi in layout.halo:
+    extended = {}
+    for coord, v in local_at.items():
+      before = _edge(local_at, _neighbour(layout, mesh, coord, k, -1), k, -lo, lo, v)
+      after = _edge(local_at, _neighbour(layout, mesh, coord, k, 1), k, 0, hi, v)
+      extended[coord] = np.concatenate([before, np.asarray(v, dtype=np.float64), after], axis=k)
+    local_at = extended
+  return local_at
+
+
+def _without_halos(layout: Layout, mesh: Mesh, local_at: dict) -> dict:
+  """``_with_halos``' inverse, raising ``AssertionError`` where a rank's halo
+  is not its neighbours' rows (or zeros beyond the ends)."""
+  for k, lo, hi in reversed(layout.halo):
+    inner = {c: np.take(np.asarray(v, dtype=np.float64), range(lo, v.shape[k] - hi), axis=k)
+             for c, v in local_at.items()}
+    for coord, v in local_at.items():
+      v = np.asarray(v, dtype=np.float64)
+      before = _edge(inner, _neighbour(layout, mesh, coord, k, -1), k, -lo, lo, inner[coord])
+      after = _edge(inner, _neighbour(layout, mesh, coord, k, 1), k, 0, hi, inner[coord])
+      np.testing.assert_allclose(np.take(v, range(lo), axis=k), before, rtol=1e-6, atol=1e-6,
+                                 err_msg=f"halo before the tile of dim {k} at {coord}")
+      np.testing.assert_allclose(np.take(v, range(v.shape[k] - hi, v.shape[k]), axis=k), after,
+                                 rtol=1e-6, atol=1e-6,
+                                 err_msg=f"halo after the tile of dim {k} at {coord}")
+    local_at = inner
+  return local_at
 
 
 def spread_extrema(layout: Layout, mesh: Mesh, local_at: dict, rng) -> dict:

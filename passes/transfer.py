@@ -186,8 +186,8 @@ class Transfer:
     """New relations for ``op``'s result, given ``S ~ layout of cls`` where S's
     tile has shape ``tile_shape`` (None: unknown)."""
     rule = getattr(self, f"_{op.name}", None)
-    if self.rank_tables.starts_at(op) and op.operands[0].shape == tile_shape and \
-        self.deg.of(op.operands[0]) == cls:
+    if (self.rank_tables.starts_at(op) or self.rank_tables.starts_before(op)) and \
+        op.operands[0].shape == tile_shape and self.deg.of(op.operands[0]) == cls:
       # A reshard or gather some ranks take no part in (XLA's half permute,
       # a tree of ppermutes, a pad): followed rank by rank until it reads
       # as a layout again.
@@ -196,7 +196,8 @@ class Transfer:
           yield out, new, "rank-by-rank"
     if rule is None or not op.results:
       return
-    if not layout.is_plain() and (layout.filled or op.name not in self._READ_ROTATED):
+    if not layout.is_plain() and (layout.filled or layout.halo
+                                  or op.name not in self._READ_ROTATED):
       return
     related = op.operands[1] if op.name == "dynamic_update_slice" else op.operands[0]
     how = op.name.replace("_", "-")
