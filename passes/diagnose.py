@@ -448,7 +448,8 @@ def _held_words(inf, path: list, x: ir.Value, sid: int, r, dv: ir.Value) -> str:
   """'; rank by rank it holds, on every rank: %1[0:8, 0:8] at [0:8, 0:8], ...':
   where ``dv`` is computed (a few ops back) through a permute some ranks
   receive nothing from or a zero pad (a gather or reshard written by hand or
-  by XLA), what each rank ends up holding of the sequential %sid that ``x``
+  by XLA), or is a concat of a permuted value (a halo exchange), what each
+  rank ends up holding of the sequential %sid that ``x``
   relates to (rank_tables.py): that is what the reader must check."""
   tables = inf.transfer.rank_tables
   seq_value = next((v for v in inf.seq.params if v.id == sid), None) or next(
@@ -460,7 +461,10 @@ def _held_words(inf, path: list, x: ir.Value, sid: int, r, dv: ir.Value) -> str:
     ops = {id(v.producer): v.producer for v in frontier if v.producer is not None}
     cone.update(ops)
     frontier = list({y.id: y for op in ops.values() for y in op.operands}.values())
-  if not any(tables.starts_at(p) for p in path + list(cone.values())):
+  # (or a concat of a permuted value: a halo exchange, cyclic or not)
+  halo = dv.producer is not None and dv.producer.name == "concatenate" and any(
+      p.name == "collective_permute" for p in cone.values())
+  if not halo and not any(tables.starts_at(p) for p in path + list(cone.values())):
     return ""
   table = tables.table_of(dv, inf.deg.of(x), r.layout, x.shape, _HELD_DEPTH)
   if table is None or all(held is None for held in table):

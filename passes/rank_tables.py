@@ -139,6 +139,14 @@ def _cut(held: Optional[Held], window: Box) -> Optional[Held]:
   return _placed(tuple(out), tuple(-lo for lo, _ in window))
 
 
+def _kept(held: Optional[Held], window: Box) -> Optional[Held]:
+  """What of ``held`` lies in ``window``, in place (zeros off it)."""
+  if held is None:
+    return None
+  return tuple(Piece(box, p.shift) for p in held
+               for box in [_intersect(p.box, window)] if box is not None)
+
+
 def _without(held: Optional[Held], window: Box) -> Optional[Held]:
   """``held`` with ``window`` overwritten: pieces wholly in it go, pieces
   wholly out of it stay; one cut by its edge is given up (None)."""
@@ -205,6 +213,13 @@ class RankTables:
                             axis=1) if self.usable else None
 
   # -- where to start ------------------------------------------------------------
+  def starts_before(self, op: ir.Op) -> bool:
+    """A slice some reader of which starts a table: a halo exchange sends
+    each tile's edge rows to a neighbour, the ranks at the end receiving
+    none."""
+    return op.name == "slice" and self.usable and any(
+        self.starts_at(user) for user in self.users.get(self.deg.of(op.results[0]), ()))
+
   def starts_at(self, op: ir.Op) -> bool:
     """A collective-permute some partition receives nothing from, or a pad
     with zeros (the padding ranks of an uneven reshard slice into it)."""
@@ -224,7 +239,7 @@ class RankTables:
     reads back as a layout."""
     whole = layout.whole_shape(tile, self.mesh)
     for out, table, shape in self.follow(op, cls, layout, tile):
-      found = self._as_layout(table, shape, whole)
+      found = self._as_layout(table, shape, whole) or self._as_halo_layout(table, shape, whole)
       if found is not None:
         yield out, found
 
@@ -320,6 +335,36 @@ class RankTables:
     # way): the layout then says nothing there.
     zero_elsewhere = bool(pins) and all(h == () for h in others)
     return Layout(tuple(dims), at=tuple(sorted(pins.items())), zero_elsewhere=zero_elsewhere)
+
+  def _as_halo_layout(self, table: Table, shape: tuple[int, ...], whole: tuple[int, ...]
+                      ) -> Optional[Layout]:
+    """The haloed layout saying what ``table`` says, if one does: every rank
+    holds its tile of S extended along some dims by ``lo`` elements before and
+    ``hi`` after, cut where S ends (zeros beyond: a halo exchange's, the
+    ranks at the ends receiving nothing)."""
+    if any(h is None or len(h) != 1 for h in table):
+      return None
+    coords = [self._coord(r) for r in range(self.mesh.size)]
+    free = [a for a, n in self.mesh.axes if n > 1]
+    dims, halo = [], []
+    for k, (m, n) in enumerate(zip(shape, whole)):
+      shifts = [h[0].shift[k] for h in table]
+      boxes = [h[0].box[k] for h in table]
+      lo = max(0, -min(shifts))
+      for t in (t for t in range(m, 0, -1) if n % t == 0 and lo <= m - t):
+        hi = m - t - lo
+        axes = self._tiling([s + lo for s in shifts], coords, t, n, free)
+        if axes is None or max(lo, hi) > t or ((lo or hi) and not axes):
+          continue
+        if all(box == (max(0, -s), min(m, n - s)) for s, box in zip(shifts, boxes)):
+          break
+      else:
+        return None
+      free = [a for a in free if a not in axes]
+      dims.append(axes)
+      if lo or hi:
+        halo.append((k, lo, hi))
+    return Layout(tuple(dims), halo=tuple(halo)) if halo else None
 
   def _tiling(self, shifts: list[int], coords: list[dict], tile: int, whole: int,
               free: list[str]) -> Optional[tuple[str, ...]]:
@@ -461,9 +506,66 @@ class RankTables:
     pred_v, on_true, on_false = op.operands
     pred = self._rank_splat(pred_v)
     a, b = operand(on_true), operand(on_false)
-    if pred is None or a is None or b is None:
+    if a is None or b is None:
       return None
+    if pred is None:
+      return self._masked_rows(pred_v, a, b)
     return [a[r] if pred[r] else b[r] for r in range(self.mesh.size)]
+
+  def _masked_rows(self, pred_v: ir.Value, a: Table, b: Table) -> Optional[Table]:
+    """select(mask, a, 0) where the mask keeps, at each rank, one run of
+    indices along one dim: ``iota + offset(partition id)`` compared with
+    constants (XLA zeroes a halo's rows beyond the ends so)."""
+    if any(held != () for held in b):
+      return None
+    for k, n in enumerate(pred_v.shape):
+      mask = self._row_mask(pred_v, k)
+      if mask is None:
+        continue
+      mask = np.broadcast_to(mask, (self.mesh.size, n)).astype(bool)
+      out: Table = []
+      for r in range(self.mesh.size):
+        kept = np.flatnonzero(mask[r])
+        if len(kept) and kept[-1] - kept[0] + 1 != len(kept):
+          return None  # (not one run)
+        run = (int(kept[0]), int(kept[-1]) + 1) if len(kept) else (0, 0)
+        window = tuple(run if i == k else (0, m) for i, m in enumerate(pred_v.shape))
+        out.append(_kept(a[r], window))
+      return out
+    return None
+
+  def _row_mask(self, v: ir.Value, k: int) -> Optional[np.ndarray]:
+    """``v`` at each rank as a function of its index along dim ``k`` alone,
+    an array broadcasting to (ranks, ``v.shape[k]``); None if it is not one
+    or its type would not hold it exactly."""
+    found = self._rank_splat(v)
+    if found is not None:
+      return found[:, None]
+    op = v.producer
+    if op is None:
+      return None
+    if op.name == "iota":
+      return np.arange(v.shape[k])[None, :] if op.attrs["iota_dimension"] == k else None
+    if op.name in ("convert", "copy"):
+      return self._row_mask(op.operands[0], k)
+    if op.name == "broadcast_in_dim":  # (of an iota along k; a splat is one above)
+      (x,), dims = op.operands, op.attrs["broadcast_dimensions"]
+      if k not in dims or any(n != 1 for j, n in enumerate(x.shape) if dims[j] != k) or \
+          x.shape[dims.index(k)] != v.shape[k]:
+        return None
+      return self._row_mask(x, dims.index(k))
+    args = [self._row_mask(a, k) for a in op.operands]
+    if not args or any(a is None for a in args):
+      return None
+    if op.name == "compare":
+      holds = COMPARISONS.get(op.attrs.get("comparison_direction"))
+      if holds is None or op.attrs.get("compare_type") == "UNSIGNED":
+        return None
+      return np.asarray(holds(*args), dtype=np.int64)
+    if op.name not in _ELEMENTWISE or len(args) != _ELEMENTWISE[op.name]:
+      return None
+    found = apply_table_op(op.name, np.broadcast_arrays(*args), v.type.dtype)
+    return found if found is not None and held_exactly(found, v.type.dtype) else None
 
   def _all_reduce(self, op, operand):
     axes = op.attrs.get("gg.axes")
