@@ -25,6 +25,8 @@ import itertools
 import math
 from typing import Callable, Iterator, Optional, Sequence
 
+import numpy as np
+
 from graphguard_hlo import ir
 from graphguard_hlo.ir import axis_base, axis_shift, rotated_axis
 from graphguard_hlo.passes.layout import Layout, merged_pins, scales_equal
@@ -88,6 +90,8 @@ class Lemma:
   # Most lemmas speak of every rank alike and see the operands' layouts with
   # their pins dropped (``apply_lemmas`` pins the result); these read pins.
   reads_pins: bool = False
+  # Haloed layouts (a tile with its neighbours' rows) reach only these.
+  reads_halos: bool = False
 
 
 def _local_type(op: SeqOp, layout: Layout) -> Optional[ir.TensorType]:
@@ -243,6 +247,56 @@ def _convolution(op: SeqOp, ls: Sequence[Layout]):
   out = Layout(tuple(dims), partial, "sum", a.scale * k.scale)
   if out.is_valid():
     yield local, out
+
+
+def _convolution_over_halos(op: SeqOp, ls: Sequence[Layout]):
+  """conv(x, k) along a spatial dim split over ranks, padded (lo, hi), is
+  each rank's conv, unpadded there, of its tile with lo rows of the rank
+  before and h of the rank after (zeros at the ends: the padding's own):
+  output row i of rank r reads padded rows r t + i s .. + window, which its
+  haloed tile holds from row i s, when s divides the tile t, each rank has
+  (t + lo + h - window) / s + 1 = t / s outputs and the whole n / s.  (h
+  may be less than hi: a strided window may never read the last padding.)
+  Undilated input; the kernel's spatial dims whole; the other dims as the
+  convolution lemma splits them."""
+  a, k = ls
+  if not a.halo or a.partial_kind != "sum" or k.halo:
+    return
+  at = op.attrs
+  (lb, lf, *lsp), (ko, ki, *ksp), (ob, of, *osp) = conv_dims(at["dimension_numbers"])
+  n = len(lsp)
+  ones = (1,) * n
+  if tuple(at.get("lhs_dilation") or ones) != ones or at.get("padding") is None:
+    return
+  pads = np.array(at["padding"]).reshape(n, 2)
+  strides = at.get("window_strides") or ones
+  rhs_dilation = at.get("rhs_dilation") or ones
+  halos = {d: (lo, hi) for d, lo, hi in a.halo}
+  tile = a.local_shape(op.operand_types[0].shape, op.mesh)
+  if tile is None or any(d not in lsp for d in halos):
+    return
+  local_pads = pads.copy()
+  out_dims = {}
+  for j, d in enumerate(lsp):
+    if not a.dims[d]:
+      continue
+    if d not in halos or k.dims[ksp[j]] or pads[j][0] != halos[d][0]:
+      return
+    lo, hi = halos[d]
+    t, s = tile[d] - lo - hi, strides[j]
+    window = (op.operand_types[1].shape[ksp[j]] - 1) * rhs_dilation[j] + 1
+    n = op.operand_types[0].shape[d] // t
+    if t % s or t + lo + hi < window or (t + lo + hi - window) // s + 1 != t // s \
+        or op.result_type.shape[osp[j]] != n * (t // s):
+      return
+    local_pads[j] = 0
+    out_dims[osp[j]] = a.dims[d]
+  whole = a.with_(halo=(), dims=tuple(() if d in lsp else x for d, x in enumerate(a.dims)))
+  for local, out in _convolution(op, [whole, k]):
+    local = {**local, "padding": local_pads.reshape(np.shape(at["padding"]))}
+    out = out.with_(dims=tuple(out_dims.get(d, x) for d, x in enumerate(out.dims)))
+    if out.is_valid():
+      yield local, out
 
 
 def _transpose(op: SeqOp, ls: Sequence[Layout]):
@@ -1025,6 +1079,10 @@ LEMMAS: tuple[Lemma, ...] = (
           "conv(concat(a_r,f), concat(k_r,i)) = sum_r conv(a_r,k_r); batch and output "
           "features keep their split, feature or batch groups split with the output "
           "features; spatial dims whole", _convolution),
+    Lemma("convolution-over-halos", frozenset({"convolution"}),
+          "conv(x, k) padded (lo, hi) along a dim split over ranks = concat_r conv(x_r "
+          "with lo rows of rank r-1 and hi of rank r+1, zeros at the ends, unpadded)",
+          _convolution_over_halos, reads_halos=True),
     Lemma("transpose", frozenset({"transpose"}),
           "transpose(concat(a_r,k), p) = concat(transpose(a_r,p), p^-1(k))", _transpose),
     Lemma("reshape", frozenset({"reshape"}),
@@ -1111,7 +1169,10 @@ def apply_lemmas(op: SeqOp, layouts: Sequence[Layout]) -> Iterator[Step]:
     return  # operands known at different ranks: nothing in common
   bare = [l.unpinned() for l in layouts]
   zeros = pins and _zeros_forced(op, layouts, pins)
+  haloed = any(l.halo for l in layouts)
   for lemma in lemmas_for(op.name):
+    if haloed and not lemma.reads_halos:
+      continue
     for attrs, layout in lemma.rule(op, layouts if lemma.reads_pins else bare):
       if pins and not lemma.reads_pins:
         both = merged_pins(layout.at, pins)

@@ -467,6 +467,75 @@ def convolution(draw, mesh, seed):
   return Case(seq_op("convolution", attrs, values, result.shape, mesh), [a, k], values, seed)
 
 
+def rarely(draw) -> int:
+  """1 about one draw in eight, else 0.  (An integer draw compared with its
+  least value is not rare: hypothesis draws boundary values often.)"""
+  return int(draw(st.sampled_from([False] * 7 + [True])))
+
+
+@st.composite
+def convolution_over_halos(draw, mesh, seed):
+  """A convolution (strided, dilated, reversed at random) whose input has
+  spatial dims split over ranks with halos, mostly the padding's own
+  (lo + hi = window - stride, a whole number of strides per tile), the
+  feature and batch dims tiled as the convolution lemma splits them.
+  Sometimes a halo other than the padding (one shifted, which the lemma
+  must refuse, or one short after, which a strided window may never read),
+  a tile that is no whole number of strides, a dilated input or a split
+  kernel window, which the lemma must refuse."""
+  n = draw(st.integers(1, 2))
+  roles = ["b", "f", "o", "lp", "kp", "none"] + ["s0"] * 4 + ["s1"] * 2 * (n == 2)
+  axes: dict = {r: [] for r in roles}
+  big = [a for a, size in mesh.axes if size > 1]
+  split = draw(st.sampled_from(big)) if big else None  # (one splits the first spatial dim)
+  for a in draw(st.permutations(mesh.axis_names)):
+    axes["s0" if a == split else draw(st.sampled_from(roles))].append(a)
+  spatial, window, strides, dilations, pads, halo = [], [], [], [], [], []
+  for j in range(n):
+    s, d = draw(st.sampled_from([1, 1, 2])), draw(st.sampled_from([1, 1, 2]))
+    k = s + draw(st.integers(1, 2)) if j == 0 else draw(st.integers(1, 4))  # (a window longer
+    # than the stride along the split dim: it reads a neighbour's rows)
+    span = (k - 1) * d + 1
+    count = tiles(mesh, axes[f"s{j}"])
+    t = s * draw(st.integers(1, 3)) + rarely(draw)
+    total = max(span - s, 0) + rarely(draw)  # (+1: off by one)
+    lo = draw(st.integers(0, total))
+    spatial.append(t * count); window.append(k); strides.append(s); dilations.append(d)
+    pads.append([lo, total - lo])
+    if axes[f"s{j}"] and total:
+      h = draw(st.sampled_from([(lo, total - lo)] * 5 + [(lo + 1, max(total - lo - 1, 0)),
+                                                          (lo, max(total - lo - 1, 0))]))
+      halo.append((j, *h))
+  sizes = {r: draw_size(draw, tiles(mesh, axes[r])) for r in "bfo"}
+  lhs = draw(st.permutations(["b", "f"] + list(range(n))))
+  rhs = draw(st.permutations(["o", "i"] + list(range(n))))
+  out = draw(st.permutations(["b", "f"] + list(range(n))))
+  labels = lambda order: "[" + ", ".join(str(x) for x in order) + "]"
+  attrs = {"dimension_numbers": f"#stablehlo.conv<{labels(lhs)}x{labels(rhs)}->{labels(out)}>",
+           "window_strides": tuple(strides), "padding": np.array(pads),
+           "lhs_dilation": (1 + rarely(draw),) + (1,) * (n - 1),
+           "rhs_dilation": tuple(dilations),
+           "window_reversal": tuple(draw(st.booleans()) for _ in range(n)),
+           "feature_group_count": 1, "batch_group_count": 1}
+  lhs_dims = {"b": axes["b"], "f": axes["f"], **{j: axes[f"s{j}"] for j in range(n)}}
+  rhs_dims = {"o": axes["o"], "i": axes["f"]}
+  if axes["s0"] and rarely(draw):
+    rhs_dims[0] = axes["s0"]  # the window split too: refused
+  a = Layout(tuple(tuple(lhs_dims.get(d, ())) for d in lhs), tuple(axes["lp"]), "sum",
+             draw(st.sampled_from(SCALES)),
+             halo=tuple((lhs.index(j), lo, hi) for j, lo, hi in halo))
+  k = Layout(tuple(tuple(rhs_dims.get(d, ())) for d in rhs), tuple(axes["kp"]), "sum",
+             draw(st.sampled_from(SCALES)))
+  lhs_shape = [sizes["b"] if d == "b" else sizes["f"] if d == "f" else spatial[d] for d in lhs]
+  rhs_shape = [sizes["o"] if d == "o" else sizes["f"] if d == "i" else window[d] for d in rhs]
+  rng = np.random.default_rng(seed)
+  values = [rng.standard_normal(lhs_shape), rng.standard_normal(rhs_shape)]
+  result = reference.convolution(*values, attrs)
+  if 0 in result.shape:
+    return draw(convolution_over_halos(mesh, seed))
+  return Case(seq_op("convolution", attrs, values, result.shape, mesh), [a, k], values, seed)
+
+
 @st.composite
 def transpose(draw, mesh, seed):
   a = draw_layout(draw, mesh, draw(st.sampled_from([0, 1, 2, 3, 3, 3])))
@@ -1217,6 +1286,7 @@ GENERATORS = {
     "pad-untiled-dims": pad,
     "pad-into-one-tile": pad_into_one_tile,
     "reduce-window-within-tiles": reduce_window,
+    "convolution-over-halos": convolution_over_halos,
     "select-and-scatter-within-tiles": select_and_scatter,
     "gather-split-rows-or-whole-slices": gather,
     "gather-from-table-tiles": gather_from_table_tiles,
@@ -1317,6 +1387,76 @@ def test_grouped_convolutions_are_sound():
 
   check()
   assert hits["target"] >= 0.3 * hits["cases"], hits
+
+
+def test_convolutions_over_halos_are_sound():
+  """The halo lemma's cases on their own, more of them: each refusal (a
+  halo other than the padding, tiles that are no whole number of strides,
+  too few or too many outputs per tile, a dilated input, a split window)
+  needs its rare draw met."""
+  hits = {"cases": 0, "target": 0}
+
+  @settings(SETTINGS, max_examples=500)
+  @given(meshes(), st.integers(0, 2**32 - 1), st.data())
+  def check(mesh, seed, data):
+    hits["cases"] += 1
+    if "convolution-over-halos" in check_case(data.draw(convolution_over_halos(mesh, seed))):
+      hits["target"] += 1
+
+  check()
+  assert hits["target"] >= 0.2 * hits["cases"], hits
+
+
+@pytest.mark.parametrize("tile, stride, window, pads, halo, proved", [
+    (4, 1, 3, (1, 1), (1, 1), True),   # a 3-wide SAME convolution
+    (4, 1, 3, (2, 0), (2, 0), True),   # a causal one
+    (4, 2, 3, (1, 0), (1, 0), True),   # strided: 2 outputs per tile
+    (4, 2, 3, (1, 1), (1, 0), True),   # the last padding row never read (XLA's halo)
+    (4, 2, 4, (1, 1), (1, 1), True),
+    (4, 1, 3, (1, 1), (0, 2), False),  # the halo shifted: outputs one row late
+    (4, 1, 3, (1, 1), (1, 0), False),  # a row short after: the last output per tile missing
+    (4, 1, 3, (1, 3), (1, 1), False),  # the whole has two outputs more than the tiles
+    (4, 1, 3, (1, 0), (1, 0), False),  # one output too few per tile
+    (4, 1, 3, (2, 2), (2, 2), False),  # two too many: as many as two ranks' share of the surplus
+    (3, 2, 1, (1, 0), (1, 0), False),  # tiles of 3 rows, stride 2: two outputs each, one too many
+    (4, 3, 4, (1, 0), (1, 0), False),  # stride 3 on tiles of 4: one output per rank as the whole
+])                                     # has, but rank 1's reads padded rows 4..7, not 3..6
+def test_convolutions_over_halos_on_numbers(tile, stride, window, pads, halo, proved):
+  """Proved exactly when each rank's outputs are its own tile's (checked on
+  numbers); where refused, the per-rank convolutions the lemma would stand
+  for are shown to be wrong."""
+  mesh = ir.Mesh((("x", 2),))
+  rng = np.random.default_rng(0)
+  x, k = rng.standard_normal((1, 1, 2 * tile)), rng.standard_normal((1, 1, window))
+  attrs = {"dimension_numbers": "#stablehlo.conv<[b, f, 0]x[o, i, 0]->[b, f, 0]>",
+           "window_strides": (stride,), "padding": np.array([pads]),
+           "feature_group_count": 1, "batch_group_count": 1}
+  out = reference.convolution(x, k, attrs)
+  op = seq_op("convolution", attrs, [x, k], out.shape, mesh)
+  a = Layout(((), (), ("x",)), halo=((2, *halo),))
+  case = Case(op, [a, Layout.replicated(3)], [x, k], 0)
+  assert ("convolution-over-halos" in check_case(case)) == proved
+  if not proved:  # what the lemma would claim: each rank's unpadded conv
+    local = shard(a, mesh, x)
+    tiles = [reference.convolution(local[(r,)], k, {**attrs, "padding": np.array([[0, 0]])})
+             for r in range(2)]
+    assert any(t.shape != (1, 1, out.shape[2] // 2) or not np.allclose(
+        t, out[..., r * t.shape[2]:(r + 1) * t.shape[2]]) for r, t in enumerate(tiles))
+
+
+def test_a_partial_maximum_over_halos_is_refused():
+  """A window's sum of maxima over ranks is not the maximum of their sums."""
+  mesh = ir.Mesh((("x", 2), ("y", 2)))
+  x, k = np.zeros((1, 1, 8)), np.zeros((1, 1, 3))
+  attrs = {"dimension_numbers": "#stablehlo.conv<[b, f, 0]x[o, i, 0]->[b, f, 0]>",
+           "window_strides": (1,), "padding": np.array([[1, 1]]),
+           "feature_group_count": 1, "batch_group_count": 1}
+  op = seq_op("convolution", attrs, [x, k], (1, 1, 8), mesh)
+  haloed = Layout(((), (), ("x",)), halo=((2, 1, 1),))
+  assert [s.lemma for s in apply_lemmas(op, [haloed, Layout.replicated(3)])] == [
+      "convolution-over-halos"]
+  assert not list(apply_lemmas(op, [haloed.with_(partial=("y",), partial_kind="max"),
+                                    Layout.replicated(3)]))
 
 
 def test_windows_of_partial_values_are_sound():
