@@ -252,49 +252,68 @@ def _convolution(op: SeqOp, ls: Sequence[Layout]):
 def _convolution_over_halos(op: SeqOp, ls: Sequence[Layout]):
   """conv(x, k) along a spatial dim split over ranks, padded (lo, hi), is
   each rank's conv, unpadded there, of its tile with lo rows of the rank
-  before and h of the rank after (zeros at the ends: the padding's own):
-  output row i of rank r reads padded rows r t + i s .. + window, which its
+  before and h of the rank after (zeros at the ends: the padding's own).
+  Output row i of rank r reads padded rows r t + i s .. + window, which its
   haloed tile holds from row i s, when s divides the tile t, each rank has
   (t + lo + h - window) / s + 1 = t / s outputs and the whole n / s.  (h
   may be less than hi: a strided window may never read the last padding.)
-  Undilated input; the kernel's spatial dims whole; the other dims as the
-  convolution lemma splits them."""
+  A kernel's gradient convolves the images with the output's gradient as
+  its window, split alike: output row j of rank r sums its window rows i
+  times padded rows r t + j s + i d, which its haloed tile holds when t
+  is its window tile times the window dilation d and it has every output
+  row, unreversed: a partial sum over the split.  Undilated input; the
+  other dims as the convolution lemma splits them."""
   a, k = ls
   if not a.halo or a.partial_kind != "sum" or k.halo:
     return
   at = op.attrs
   (lb, lf, *lsp), (ko, ki, *ksp), (ob, of, *osp) = conv_dims(at["dimension_numbers"])
-  n = len(lsp)
-  ones = (1,) * n
+  ones = (1,) * len(lsp)
   if tuple(at.get("lhs_dilation") or ones) != ones or at.get("padding") is None:
     return
-  pads = np.array(at["padding"]).reshape(n, 2)
+  pads = np.array(at["padding"]).reshape(len(lsp), 2)
   strides = at.get("window_strides") or ones
   rhs_dilation = at.get("rhs_dilation") or ones
   halos = {d: (lo, hi) for d, lo, hi in a.halo}
   tile = a.local_shape(op.operand_types[0].shape, op.mesh)
-  if tile is None or any(d not in lsp for d in halos):
+  kernel_tile = k.local_shape(op.operand_types[1].shape, op.mesh)
+  if tile is None or kernel_tile is None or any(d not in lsp for d in halos):
     return
   local_pads = pads.copy()
-  out_dims = {}
+  out_dims, summed = {}, []
   for j, d in enumerate(lsp):
     if not a.dims[d]:
+      if k.dims[ksp[j]]:
+        return  # (a window split over whole rows)
       continue
-    if d not in halos or k.dims[ksp[j]] or pads[j][0] != halos[d][0]:
+    if d not in halos or pads[j][0] != halos[d][0]:
       return
     lo, hi = halos[d]
-    t, s = tile[d] - lo - hi, strides[j]
-    window = (op.operand_types[1].shape[ksp[j]] - 1) * rhs_dilation[j] + 1
-    n = op.operand_types[0].shape[d] // t
-    if t % s or t + lo + hi < window or (t + lo + hi - window) // s + 1 != t // s \
-        or op.result_type.shape[osp[j]] != n * (t // s):
+    t, s, dilation = tile[d] - lo - hi, strides[j], rhs_dilation[j]
+    window = (kernel_tile[ksp[j]] - 1) * dilation + 1
+    if t + lo + hi < window:
+      return
+    outputs = (t + lo + hi - window) // s + 1
+    if not k.dims[ksp[j]]:  # each rank its own output rows
+      ranks = op.operand_types[0].shape[d] // t
+      if t % s or outputs != t // s or op.result_type.shape[osp[j]] != ranks * (t // s):
+        return
+      out_dims[osp[j]] = a.dims[d]
+    elif k.dims[ksp[j]] == a.dims[d]:  # each rank its own window rows: every output row
+      reversed_ = (at.get("window_reversal") or (False,) * len(lsp))[j]
+      if reversed_ or t != kernel_tile[ksp[j]] * dilation \
+          or outputs != op.result_type.shape[osp[j]]:
+        return  # (a reversed window's tiles turn end for end)
+      summed += a.dims[d]
+    else:
       return
     local_pads[j] = 0
-    out_dims[osp[j]] = a.dims[d]
-  whole = a.with_(halo=(), dims=tuple(() if d in lsp else x for d, x in enumerate(a.dims)))
-  for local, out in _convolution(op, [whole, k]):
+  whole_a = a.with_(halo=(), dims=tuple(() if d in lsp else x for d, x in enumerate(a.dims)))
+  whole_k = k.with_(dims=tuple(() if d in ksp else x for d, x in enumerate(k.dims)))
+  for local, out in _convolution(op, [whole_a, whole_k]):
     local = {**local, "padding": local_pads.reshape(np.shape(at["padding"]))}
-    out = out.with_(dims=tuple(out_dims.get(d, x) for d, x in enumerate(out.dims)))
+    out = out.with_(dims=tuple(out_dims.get(d, x) for d, x in enumerate(out.dims)),
+                    partial=tuple(out.partial) + tuple(summed))
     if out.is_valid():
       yield local, out
 
@@ -1081,7 +1100,8 @@ LEMMAS: tuple[Lemma, ...] = (
           "features; spatial dims whole", _convolution),
     Lemma("convolution-over-halos", frozenset({"convolution"}),
           "conv(x, k) padded (lo, hi) along a dim split over ranks = concat_r conv(x_r "
-          "with lo rows of rank r-1 and hi of rank r+1, zeros at the ends, unpadded)",
+          "with lo rows of rank r-1 and hi of rank r+1, zeros at the ends, unpadded); "
+          "with the window split alike (a kernel's gradient), sum_r of them",
           _convolution_over_halos, reads_halos=True),
     Lemma("transpose", frozenset({"transpose"}),
           "transpose(concat(a_r,k), p) = concat(transpose(a_r,p), p^-1(k))", _transpose),

@@ -479,11 +479,15 @@ def convolution_over_halos(draw, mesh, seed):
   spatial dims split over ranks with halos, mostly the padding's own
   (lo + hi = window - stride, a whole number of strides per tile), the
   feature and batch dims tiled as the convolution lemma splits them.
-  Sometimes a halo other than the padding (one shifted, which the lemma
-  must refuse, or one short after, which a strided window may never read),
-  a tile that is no whole number of strides, a dilated input or a split
-  kernel window, which the lemma must refuse."""
+  A quarter are kernel gradients: the window (the output's gradient) split
+  alike along the first spatial dim, a tile of images per tile of window
+  rows times their dilation.  Sometimes a halo other than the padding (one
+  shifted, which the lemma must refuse, or one short after, which a strided
+  window may never read), a tile that is no whole number of strides or of
+  window rows, a dilated input, a window split where the images are not,
+  which the lemma must refuse."""
   n = draw(st.integers(1, 2))
+  gradient = draw(st.sampled_from([False] * 3 + [True]))
   roles = ["b", "f", "o", "lp", "kp", "none"] + ["s0"] * 4 + ["s1"] * 2 * (n == 2)
   axes: dict = {r: [] for r in roles}
   big = [a for a, size in mesh.axes if size > 1]
@@ -495,16 +499,22 @@ def convolution_over_halos(draw, mesh, seed):
     s, d = draw(st.sampled_from([1, 1, 2])), draw(st.sampled_from([1, 1, 2]))
     k = s + draw(st.integers(1, 2)) if j == 0 else draw(st.integers(1, 4))  # (a window longer
     # than the stride along the split dim: it reads a neighbour's rows)
-    span = (k - 1) * d + 1
     count = tiles(mesh, axes[f"s{j}"])
-    t = s * draw(st.integers(1, 3)) + rarely(draw)
-    total = max(span - s, 0) + rarely(draw)  # (+1: off by one)
+    if gradient and j == 0:  # the window: a tile of k rows per rank, dilated d
+      k = draw(st.integers(1, 3))
+      t = k * d + rarely(draw)
+      k *= count
+      total = draw(st.integers(1, min(t, 3)))  # (a halo at most a tile)
+    else:
+      t = s * draw(st.integers(1, 3)) + rarely(draw)
+      total = max((k - 1) * d + 1 - s, 0) + rarely(draw)  # (+1: off by one)
     lo = draw(st.integers(0, total))
     spatial.append(t * count); window.append(k); strides.append(s); dilations.append(d)
     pads.append([lo, total - lo])
     if axes[f"s{j}"] and total:
       h = draw(st.sampled_from([(lo, total - lo)] * 5 + [(lo + 1, max(total - lo - 1, 0)),
-                                                          (lo, max(total - lo - 1, 0))]))
+                                                          (lo, max(total - lo - 1, 0)),
+                                                          (lo, total - lo + 1)]))
       halo.append((j, *h))
   sizes = {r: draw_size(draw, tiles(mesh, axes[r])) for r in "bfo"}
   lhs = draw(st.permutations(["b", "f"] + list(range(n))))
@@ -515,12 +525,15 @@ def convolution_over_halos(draw, mesh, seed):
            "window_strides": tuple(strides), "padding": np.array(pads),
            "lhs_dilation": (1 + rarely(draw),) + (1,) * (n - 1),
            "rhs_dilation": tuple(dilations),
-           "window_reversal": tuple(draw(st.booleans()) for _ in range(n)),
+           "window_reversal": tuple(bool(rarely(draw)) if gradient and j == 0 else
+                                    draw(st.booleans()) for j in range(n)),
            "feature_group_count": 1, "batch_group_count": 1}
   lhs_dims = {"b": axes["b"], "f": axes["f"], **{j: axes[f"s{j}"] for j in range(n)}}
   rhs_dims = {"o": axes["o"], "i": axes["f"]}
-  if axes["s0"] and rarely(draw):
-    rhs_dims[0] = axes["s0"]  # the window split too: refused
+  if axes["s0"] and (gradient or rarely(draw)):
+    rhs_dims[0] = axes["s0"]  # (not a gradient's: too long a window, refused)
+  if n == 2 and axes["none"] and rarely(draw):
+    rhs_dims[1] = axes["none"]  # a window split where the images are whole: refused
   a = Layout(tuple(tuple(lhs_dims.get(d, ())) for d in lhs), tuple(axes["lp"]), "sum",
              draw(st.sampled_from(SCALES)),
              halo=tuple((lhs.index(j), lo, hi) for j, lo, hi in halo))
@@ -1442,6 +1455,50 @@ def test_convolutions_over_halos_on_numbers(tile, stride, window, pads, halo, pr
              for r in range(2)]
     assert any(t.shape != (1, 1, out.shape[2] // 2) or not np.allclose(
         t, out[..., r * t.shape[2]:(r + 1) * t.shape[2]]) for r, t in enumerate(tiles))
+
+
+@pytest.mark.parametrize("tile, window_tile, dilation, pads, halo, proved", [
+    (4, 4, 1, (1, 1), (1, 1), True),   # a 3 x 3 SAME convolution's kernel gradient
+    (4, 2, 2, (1, 1), (1, 1), True),   # a strided one's: the window dilated by the stride
+    (3, 2, 1, (1, 1), (1, 2), False),  # as many outputs, but rank 1's window rows 2, 3
+])                                     # meet its image rows 3.., not 2..
+def test_kernel_gradients_over_halos_on_numbers(tile, window_tile, dilation, pads, halo, proved):
+  """The images convolved with the output's gradient as the window, both
+  split by rows over x: a partial sum over x exactly when each rank's
+  window rows meet its own image rows (checked on numbers)."""
+  mesh = ir.Mesh((("x", 2),))
+  rng = np.random.default_rng(0)
+  x, k = rng.standard_normal((1, 1, 2 * tile)), rng.standard_normal((1, 1, 2 * window_tile))
+  attrs = {"dimension_numbers": "#stablehlo.conv<[b, f, 0]x[o, i, 0]->[b, f, 0]>",
+           "window_strides": (1,), "padding": np.array([pads]), "rhs_dilation": (dilation,),
+           "feature_group_count": 1, "batch_group_count": 1}
+  out = reference.convolution(x, k, attrs)
+  op = seq_op("convolution", attrs, [x, k], out.shape, mesh)
+  case = Case(op, [Layout(((), (), ("x",)), halo=((2, *halo),)), Layout(((), (), ("x",)))],
+              [x, k], 0)
+  assert ("convolution-over-halos" in check_case(case)) == proved
+  if not proved:  # the sum over ranks of their unpadded convolutions is not the whole's
+    xs, ks = shard(case.layouts[0], mesh, x), shard(case.layouts[1], mesh, k)
+    local = {**attrs, "padding": np.array([[0, 0]])}
+    total = sum(reference.convolution(xs[(r,)], ks[(r,)], local) for r in range(2))
+    assert total.shape != out.shape or not np.allclose(total, out)
+
+
+@pytest.mark.parametrize("kernel_dims", [
+    ((), (), ("y",), ("x",)),  # its columns split too, which each rank holds whole
+    ((), (), ("x",), ()),      # its rows split over another axis than the images' rows
+])
+def test_a_window_split_otherwise_than_the_haloed_rows_is_refused(kernel_dims):
+  mesh = ir.Mesh((("x", 2), ("y", 2)))
+  x, k = np.zeros((1, 1, 8, 8)), np.zeros((1, 1, 8, 4))  # (a window as tall as the images)
+  attrs = {"dimension_numbers": "#stablehlo.conv<[b, f, 0, 1]x[o, i, 0, 1]->[b, f, 0, 1]>",
+           "window_strides": (1, 1), "padding": np.array([[1, 1], [1, 1]]),
+           "feature_group_count": 1, "batch_group_count": 1}
+  op = seq_op("convolution", attrs, [x, k], (1, 1, 3, 7), mesh)
+  rows = Layout(((), (), ("y",), ()), halo=((2, 1, 1),))
+  assert [s.lemma for s in apply_lemmas(op, [rows, Layout(((), (), ("y",), ()))])] == [
+      "convolution-over-halos"]  # (a kernel's gradient: rows of the window split alike)
+  assert not list(apply_lemmas(op, [rows, Layout(kernel_dims)]))
 
 
 def test_a_partial_maximum_over_halos_is_refused():
