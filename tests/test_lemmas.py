@@ -417,6 +417,35 @@ def grouped_convolution(draw, mesh, seed):
   return Case(seq_op("convolution", attrs, values, result.shape, mesh), [a, k], values, seed)
 
 
+def _conv_orders(draw, n: int):
+  """The input's and the kernel's dims in random orders, and the dimension
+  numbers saying so (the result's in its own)."""
+  lhs = draw(st.permutations(["b", "f"] + list(range(n))))
+  rhs = draw(st.permutations(["o", "i"] + list(range(n))))
+  out = draw(st.permutations(["b", "f"] + list(range(n))))
+  labels = lambda order: "[" + ", ".join(str(x) for x in order) + "]"
+  return lhs, rhs, f"#stablehlo.conv<{labels(lhs)}x{labels(rhs)}->{labels(out)}>"
+
+
+def _conv_layouts(draw, axes: dict, lhs, rhs, lhs_dims: dict, rhs_dims: dict):
+  """The input's and the kernel's layouts: each logical dim (``b``, ``f``,
+  spatial ``0``.. of the input; ``o``, ``i``, spatial of the kernel) tiled
+  as drawn, partial over the axes drawn for each (``lp``, ``kp``), scaled."""
+  a = Layout(tuple(tuple(lhs_dims.get(d, ())) for d in lhs), tuple(axes["lp"]), "sum",
+             draw(st.sampled_from(SCALES)))
+  k = Layout(tuple(tuple(rhs_dims.get(d, ())) for d in rhs), tuple(axes["kp"]), "sum",
+             draw(st.sampled_from(SCALES)))
+  return a, k
+
+
+def _conv_values(seed, lhs, rhs, sizes: dict, spatial, window) -> list[np.ndarray]:
+  """Random input and kernel with their logical dims in the drawn orders."""
+  lhs_shape = [sizes["b"] if d == "b" else sizes["f"] if d == "f" else spatial[d] for d in lhs]
+  rhs_shape = [sizes["o"] if d == "o" else sizes["f"] if d == "i" else window[d] for d in rhs]
+  rng = np.random.default_rng(seed)
+  return [rng.standard_normal(lhs_shape), rng.standard_normal(rhs_shape)]
+
+
 @st.composite
 def convolution(draw, mesh, seed):
   """Logical dims (batch, input features, output features, spatial) are
@@ -435,11 +464,8 @@ def convolution(draw, mesh, seed):
   spatial = [draw_size(draw, tiles(mesh, axes["s"]) if j == 0 else 1) + 2 for j in range(n)]
   window = [draw(st.integers(1, 3)) for _ in range(n)]
   sizes = {r: draw_size(draw, tiles(mesh, axes[r])) for r in "bfo"}
-  lhs = draw(st.permutations(["b", "f"] + list(range(n))))
-  rhs = draw(st.permutations(["o", "i"] + list(range(n))))
-  out = draw(st.permutations(["b", "f"] + list(range(n))))
-  labels = lambda order: "[" + ", ".join(str(x) for x in order) + "]"
-  attrs = {"dimension_numbers": f"#stablehlo.conv<{labels(lhs)}x{labels(rhs)}->{labels(out)}>",
+  lhs, rhs, numbers = _conv_orders(draw, n)
+  attrs = {"dimension_numbers": numbers,
            "window_strides": tuple(draw(st.integers(1, 2)) for _ in range(n)),
            "padding": np.array([[draw(st.integers(-1, 2)), draw(st.integers(0, 2))]
                                 for _ in range(n)]),
@@ -452,14 +478,8 @@ def convolution(draw, mesh, seed):
     kernel_in = kernel_in[::-1] if len(kernel_in) > 1 else []
   lhs_dims = {"b": axes["b"], "f": axes["f"], 0: axes["s"]}
   rhs_dims = {"o": axes["o"], "i": kernel_in}
-  a = Layout(tuple(tuple(lhs_dims.get(d, ())) for d in lhs), tuple(axes["lp"]), "sum",
-             draw(st.sampled_from(SCALES)))
-  k = Layout(tuple(tuple(rhs_dims.get(d, ())) for d in rhs), tuple(axes["kp"]), "sum",
-             draw(st.sampled_from(SCALES)))
-  lhs_shape = [sizes["b"] if d == "b" else sizes["f"] if d == "f" else spatial[d] for d in lhs]
-  rhs_shape = [sizes["o"] if d == "o" else sizes["f"] if d == "i" else window[d] for d in rhs]
-  rng = np.random.default_rng(seed)
-  values = [rng.standard_normal(lhs_shape), rng.standard_normal(rhs_shape)]
+  a, k = _conv_layouts(draw, axes, lhs, rhs, lhs_dims, rhs_dims)
+  values = _conv_values(seed, lhs, rhs, sizes, spatial, window)
   result = reference.convolution(*values, attrs)
   if 0 in result.shape:
     attrs["padding"] = np.full((n, 2), 2)
@@ -517,11 +537,8 @@ def convolution_over_halos(draw, mesh, seed):
                                                           (lo, total - lo + 1)]))
       halo.append((j, *h))
   sizes = {r: draw_size(draw, tiles(mesh, axes[r])) for r in "bfo"}
-  lhs = draw(st.permutations(["b", "f"] + list(range(n))))
-  rhs = draw(st.permutations(["o", "i"] + list(range(n))))
-  out = draw(st.permutations(["b", "f"] + list(range(n))))
-  labels = lambda order: "[" + ", ".join(str(x) for x in order) + "]"
-  attrs = {"dimension_numbers": f"#stablehlo.conv<{labels(lhs)}x{labels(rhs)}->{labels(out)}>",
+  lhs, rhs, numbers = _conv_orders(draw, n)
+  attrs = {"dimension_numbers": numbers,
            "window_strides": tuple(strides), "padding": np.array(pads),
            "lhs_dilation": (1 + rarely(draw),) + (1,) * (n - 1),
            "rhs_dilation": tuple(dilations),
@@ -534,15 +551,9 @@ def convolution_over_halos(draw, mesh, seed):
     rhs_dims[0] = axes["s0"]  # (not a gradient's: too long a window, refused)
   if n == 2 and axes["none"] and rarely(draw):
     rhs_dims[1] = axes["none"]  # a window split where the images are whole: refused
-  a = Layout(tuple(tuple(lhs_dims.get(d, ())) for d in lhs), tuple(axes["lp"]), "sum",
-             draw(st.sampled_from(SCALES)),
-             halo=tuple((lhs.index(j), lo, hi) for j, lo, hi in halo))
-  k = Layout(tuple(tuple(rhs_dims.get(d, ())) for d in rhs), tuple(axes["kp"]), "sum",
-             draw(st.sampled_from(SCALES)))
-  lhs_shape = [sizes["b"] if d == "b" else sizes["f"] if d == "f" else spatial[d] for d in lhs]
-  rhs_shape = [sizes["o"] if d == "o" else sizes["f"] if d == "i" else window[d] for d in rhs]
-  rng = np.random.default_rng(seed)
-  values = [rng.standard_normal(lhs_shape), rng.standard_normal(rhs_shape)]
+  a, k = _conv_layouts(draw, axes, lhs, rhs, lhs_dims, rhs_dims)
+  a = a.with_(halo=tuple((lhs.index(j), lo, hi) for j, lo, hi in halo))
+  values = _conv_values(seed, lhs, rhs, sizes, spatial, window)
   result = reference.convolution(*values, attrs)
   if 0 in result.shape:
     return draw(convolution_over_halos(mesh, seed))
