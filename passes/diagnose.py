@@ -23,6 +23,7 @@ from graphguard_hlo.passes.pieces import Pieces, partner_dim
 from graphguard_hlo.passes.sharding import group_axes, stride_across_mesh
 from graphguard_hlo.passes.terms import freeze
 from graphguard_hlo.passes.transfer import integers_to_float, ring_shift
+from graphguard_hlo.reference import conv_dims
 
 
 def _dname(v: ir.Value) -> str:
@@ -854,6 +855,38 @@ def _indexed_tile_words(inf, op: ir.Op) -> Optional[str]:
   return None
 
 
+def _halo_words(inf, op: ir.Op) -> Optional[str]:
+  """A convolution over a dim split over ranks whose per-device operand holds
+  each tile with its neighbours' rows, but not as many before as the
+  sequential convolution pads there (or too few after for a tile's
+  outputs): a halo exchange of the wrong size."""
+  if op.name != "convolution" or not op.attrs.get("dimension_numbers"):
+    return None
+  (_, _, *spatial), (_, _, *window_dims), _ = conv_dims(op.attrs["dimension_numbers"])
+  pads = np.array(op.attrs.get("padding") if op.attrs.get("padding") is not None
+                  else np.zeros((len(spatial), 2), int)).reshape(len(spatial), 2)
+  dilations = op.attrs.get("rhs_dilation") or (1,) * len(spatial)
+  strides = op.attrs.get("window_strides") or (1,) * len(spatial)
+  for r in inf.relations.get(op.operands[0].id, ()):
+    tile = r.layout.local_shape(op.operands[0].shape, inf.mesh)
+    for d, lo, hi in r.layout.halo:
+      if d not in spatial or tile is None:
+        continue
+      j = spatial.index(d)
+      t = tile[d] - lo - hi
+      window = (op.operands[1].shape[window_dims[j]] - 1) * dilations[j] + 1
+      after = max(window - strides[j] - lo, 0)  # (rows after the tile its outputs read)
+      rows = lambda n: f"{n} row{'' if n == 1 else 's'}"
+      head = (f"the per-device program holds each rank's tile of dim {d} with {rows(lo)} of "
+              f"the rank before and {hi} of the rank after ({inf.value_name(r.cls)})")
+      if lo != pads[j][0]:
+        return (f"{head}, where this convolution pads {pads[j][0]} before "
+                f"(a halo exchange of the wrong size?)")
+      if t % strides[j] == 0 and hi < after:
+        return f"{head}, where a tile's last output reads {after} after (a halo too small?)"
+  return None
+
+
 def _sliced_tile_words(inf, op: ir.Op) -> Optional[str]:
   """A slice across a dim every rank holds a tile of, where the per-device
   program runs the same slice on each rank's tile (its window the slice's
@@ -1017,7 +1050,7 @@ def diagnose_op(inf, op: ir.Op, pin_words: Optional[str] = None):
   for words in (_ring_words(inf, op), _share_words(inf, op) or _fold_words(inf, op),
                 pin_words or _pin_words(inf, op),
                 _microbatch_words(inf, op), _iota_words(inf, op), _indexed_tile_words(inf, op),
-                _along_split_dim_words(inf, op),
+                _along_split_dim_words(inf, op), _halo_words(inf, op),
                 _sliced_tile_words(inf, op),
                 _chunk_order_words(inf, op), _random_counter_words(op) or _constant_words(inf, op)):
     if words:

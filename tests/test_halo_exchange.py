@@ -86,6 +86,14 @@ def test_a_wrong_halo_is_refused_at_the_convolution(bug):
   assert not np.allclose(jax.jit(dist)(*args), mixer(*args), atol=1e-4)
 
 
+def test_a_halo_a_row_short_is_named():
+  dist = _sharded(lambda x, w, p: sp_mixer(x, w, p, **BUGS["a row short"]))
+  words = gg.verify(mixer, dist, TOKENS, KERNEL, PROJ).failure.diagnosis
+  assert "holds each rank's tile of dim 1 with 2 rows of the rank before and 0 of the rank " \
+      "after (%concatenate." in words and "where this convolution pads 3 before (a halo " \
+      "exchange of the wrong size?)" in words, words
+
+
 def test_the_cyclic_halo_is_shown_rank_by_rank():
   """The words say what rank 0 holds: the sequence's last rows before its
   first, where the sequential convolution reads zeros."""
@@ -111,6 +119,20 @@ def rows_conv_relu(x, k):
 
 
 ROWS = P(None, None, "dp")
+
+
+def test_rows_from_above_only_are_refused_and_named():
+  """The row below each tile never exchanged: the tile's last output reads it."""
+  def above_only(x, k):
+    above = lax.ppermute(x[:, :, -1:], "dp", [(i, i + 1) for i in range(3)])
+    x = jnp.concatenate([above, x], axis=2)
+    return jax.nn.relu(lax.conv_general_dilated(x, k, (1, 1), ((0, 1), (1, 1))))
+  mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
+  dist = shard_map(above_only, mesh=mesh, in_specs=(ROWS, P()), out_specs=ROWS)
+  result = gg.verify(conv_relu, dist, IMAGES, FILTERS)
+  assert not result.refines and result.failure.op_name == "convolution"
+  assert "with 1 row of the rank before and 0 of the rank after" in result.failure.diagnosis
+  assert "a tile's last output reads 1 after (a halo too small?)" in result.failure.diagnosis
 
 
 @pytest.mark.parametrize("style", ["shard_map", "gspmd"])
