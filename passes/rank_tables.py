@@ -545,9 +545,14 @@ class RankTables:
     if op is None:
       return None
     if op.name == "iota":
-      return np.arange(v.shape[k])[None, :] if op.attrs["iota_dimension"] == k else None
-    if op.name in ("convert", "copy"):
-      return self._row_mask(op.operands[0], k)
+      found = np.arange(v.shape[k])[None, :] if op.attrs["iota_dimension"] == k else None
+    elif op.name in ("convert", "copy"):
+      found = self._row_mask(op.operands[0], k)  # (a narrower type wraps: held_exactly)
+    else:
+      found = self._row_mask_of_op(op, v, k)
+    return found if found is not None and held_exactly(found, v.type.dtype) else None
+
+  def _row_mask_of_op(self, op: ir.Op, v: ir.Value, k: int) -> Optional[np.ndarray]:
     if op.name == "broadcast_in_dim":  # (of an iota along k; a splat is one above)
       (x,), dims = op.operands, op.attrs["broadcast_dimensions"]
       if k not in dims or any(n != 1 for j, n in enumerate(x.shape) if dims[j] != k) or \
@@ -564,8 +569,7 @@ class RankTables:
       return np.asarray(holds(*args), dtype=np.int64)
     if op.name not in _ELEMENTWISE or len(args) != _ELEMENTWISE[op.name]:
       return None
-    found = apply_table_op(op.name, np.broadcast_arrays(*args), v.type.dtype)
-    return found if found is not None and held_exactly(found, v.type.dtype) else None
+    return apply_table_op(op.name, np.broadcast_arrays(*args), v.type.dtype)
 
   def _all_reduce(self, op, operand):
     axes = op.attrs.get("gg.axes")

@@ -86,6 +86,24 @@ def test_a_wrong_halo_is_refused_at_the_convolution(bug):
   assert not np.allclose(jax.jit(dist)(*args), mixer(*args), atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype, proved", [(jnp.int16, True), (jnp.int8, False)])
+def test_a_mask_on_row_numbers_is_read_in_its_own_type(dtype, proved):
+  """The haloed tile masked by its rows' numbers in the sequence, 10 g >= 0:
+  every row in int16; in int8 10 g wraps from row 13 on and those rows are
+  zeroed (an audit's false proof: the mask was read through the convert)."""
+  def masked(x, w, p):
+    before = lax.ppermute(x[:, -(WIDTH - 1):], "sp", [(i, i + 1) for i in range(3)])
+    x = jnp.concatenate([before, x], axis=1)
+    g = lax.axis_index("sp") * 8 - (WIDTH - 1) + jnp.arange(8 + WIDTH - 1)
+    x = jnp.where(((g * 10).astype(dtype) >= 0)[None, :, None], x, 0.0)
+    return jax.nn.silu(causal_conv(x, w, (0, 0))) @ p
+  result = gg.verify(mixer, _sharded(masked), TOKENS, KERNEL, PROJ)
+  assert result.refines == proved, to_text(result, "seq", "dist")
+  rng = np.random.default_rng(0)
+  args = [rng.standard_normal(a.shape).astype(np.float32) for a in (TOKENS, KERNEL, PROJ)]
+  assert np.allclose(jax.jit(_sharded(masked))(*args), mixer(*args), atol=1e-4) == proved
+
+
 def test_a_halo_a_row_short_is_named():
   dist = _sharded(lambda x, w, p: sp_mixer(x, w, p, **BUGS["a row short"]))
   words = gg.verify(mixer, dist, TOKENS, KERNEL, PROJ).failure.diagnosis
