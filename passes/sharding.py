@@ -162,7 +162,8 @@ def infer_mesh(shardings: Iterable[HloSharding], num_devices: int,
     for dim_digits in _digits(sh):
       for size, stride in dim_digits:
         cuts.update((stride, stride * size))
-  _check_chain(cuts, num_devices)
+  if (broken := _chain_break(cuts, num_devices)) is not None:
+    raise ShardingError("shardings cannot be spelled on one mesh (strides %d, %d)" % broken)
   for cut in sorted(_group_cuts(extra_groups, num_devices) | set(extra_strides)):
     if _is_chain(cuts | {cut}, num_devices):
       cuts.add(cut)
@@ -198,16 +199,15 @@ def stride_across_mesh(lists: Sequence[Sequence[int]], mesh: Mesh) -> Optional[i
                if not _is_chain(cuts | {c}, mesh.size)), None)
 
 
+def _chain_break(cuts: set[int], num_devices: int) -> Optional[tuple[int, int]]:
+  """Two neighbouring cuts (of those dividing the devices) the smaller of
+  which does not divide the larger: no one mesh has both; None if none."""
+  ordered = sorted(c for c in cuts if num_devices % c == 0)
+  return next(((lo, hi) for lo, hi in zip(ordered, ordered[1:]) if hi % lo), None)
+
+
 def _is_chain(cuts: set[int], num_devices: int) -> bool:
-  ordered = sorted(c for c in cuts if num_devices % c == 0)
-  return all(hi % lo == 0 for lo, hi in zip(ordered, ordered[1:]))
-
-
-def _check_chain(cuts: set[int], num_devices: int) -> None:
-  ordered = sorted(c for c in cuts if num_devices % c == 0)
-  for lo, hi in zip(ordered, ordered[1:]):
-    if hi % lo:
-      raise ShardingError(f"shardings cannot be spelled on one mesh (strides {lo}, {hi})")
+  return _chain_break(cuts, num_devices) is None
 
 
 def prime_strides(mesh: Mesh) -> set[int]:
