@@ -350,15 +350,15 @@ class RankTables:
     for k, (m, n) in enumerate(zip(shape, whole)):
       shifts = [h[0].shift[k] for h in table]
       boxes = [h[0].box[k] for h in table]
-      lo = max(0, -min(shifts))
-      for t in (t for t in range(m, 0, -1) if n % t == 0 and lo <= m - t):
-        hi = m - t - lo
-        axes = self._tiling([s + lo for s in shifts], coords, t, n, free)
-        if axes is None or max(lo, hi) > t or ((lo or hi) and not axes):
-          continue
-        if all(box == (max(0, -s), min(m, n - s)) for s, box in zip(shifts, boxes)):
-          break
-      else:
+      # Every rank holds a tile: as many tiles as shifts, each n / tiles long.
+      lo, tiles = max(0, -min(shifts)), len(set(shifts))
+      t = n // tiles
+      hi = m - t - lo
+      if n % tiles or hi < 0 or max(lo, hi) > t:
+        return None
+      axes = self._tiling([s + lo for s in shifts], coords, t, n, free)
+      if axes is None or ((lo or hi) and not axes) or any(
+          box != (max(0, -s), min(m, n - s)) for s, box in zip(shifts, boxes)):
         return None
       free = [a for a in free if a not in axes]
       dims.append(axes)
