@@ -867,6 +867,7 @@ def _halo_words(inf, op: ir.Op) -> Optional[str]:
                   else np.zeros((len(spatial), 2), int)).reshape(len(spatial), 2)
   dilations = op.attrs.get("rhs_dilation") or (1,) * len(spatial)
   strides = op.attrs.get("window_strides") or (1,) * len(spatial)
+  rows = lambda n: f"{n} row{'' if n == 1 else 's'}"
   for r in inf.relations.get(op.operands[0].id, ()):
     tile = r.layout.local_shape(op.operands[0].shape, inf.mesh)
     for d, lo, hi in r.layout.halo:
@@ -876,7 +877,6 @@ def _halo_words(inf, op: ir.Op) -> Optional[str]:
       t = tile[d] - lo - hi
       window = (op.operands[1].shape[window_dims[j]] - 1) * dilations[j] + 1
       after = max(window - strides[j] - lo, 0)  # (rows after the tile its outputs read)
-      rows = lambda n: f"{n} row{'' if n == 1 else 's'}"
       head = (f"the per-device program holds each rank's tile of dim {d} with {rows(lo)} of "
               f"the rank before and {hi} of the rank after ({inf.value_name(r.cls)})")
       if lo != pads[j][0]:
